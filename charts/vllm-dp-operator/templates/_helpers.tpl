@@ -1,0 +1,111 @@
+{{/* Chart name, truncated to the 63 characters a label value allows. */}}
+{{- define "vllm-dp-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Prefix of every resource name: "<release>-<chart>", or just the release when it already holds the chart name. */}}
+{{- define "vllm-dp-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels that select the operator pod; never change them after a release (selectors are immutable). */}}
+{{- define "vllm-dp-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "vllm-dp-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels on every object the chart renders. */}}
+{{- define "vllm-dp-operator.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "vllm-dp-operator.selectorLabels" . }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* ServiceAccount the operator runs as. */}}
+{{- define "vllm-dp-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "vllm-dp-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Namespace the operator watches, or "" for all namespaces. rbac.scope=namespace cannot work
+cluster-wide, so there an empty watchNamespace means the release namespace.
+*/}}
+{{- define "vllm-dp-operator.watchNamespace" -}}
+{{- if .Values.watchNamespace }}
+{{- .Values.watchNamespace }}
+{{- else if eq .Values.rbac.scope "namespace" }}
+{{- .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/*
+Permissions the operator's own code uses, on namespaced resources. One list feeds both the
+ClusterRole and the Role so the two scopes cannot drift apart. Keep it in step with
+REQUIRED in tests/chart/test_chart_rbac.py.
+*/}}
+{{- define "vllm-dp-operator.namespacedRules" -}}
+# The custom resource: kopf lists/watches it and patches finalizers and progress annotations.
+- apiGroups: ["vllmdp.io"]
+  resources: ["vllmdataparallels"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["vllmdp.io"]
+  resources: ["vllmdataparallels/status"]
+  verbs: ["get", "patch"]
+# The children: one RayCluster and one RayJob (the head job) per resource.
+- apiGroups: ["ray.io"]
+  resources: ["rayclusters", "rayjobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The child Service that fronts the OpenAI API.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Read-only: explain Pending Ray pods (unschedulable, image pull) in the status.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Events posted by the operator and by kopf.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- if eq .Values.healthProbe.mode "apiserver-proxy" }}
+# Health probe through the API server (healthProbe.mode=apiserver-proxy) only.
+- apiGroups: [""]
+  resources: ["services/proxy"]
+  verbs: ["get"]
+{{- end }}
+{{- end }}
+
+{{/*
+kopf's own cluster-wide observation (kopf 1.45, kopf/_core/reactor/observation.py): it
+lists/watches CRDs to notice resources appearing; it lists/watches Namespaces only when it
+runs with --namespace (to resolve namespace patterns), never with --all-namespaces.
+--standalone means no peering objects are read or written.
+*/}}
+{{- define "vllm-dp-operator.frameworkRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if include "vllm-dp-operator.watchNamespace" . }}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end }}

@@ -1,0 +1,66 @@
+"""Operator settings, read once from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from vllm_dp_operator import constants
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Operator-wide inputs of the renderers (kept apart so renderers never read env)."""
+
+    #: Engine image used when a resource names none.
+    default_image: str = "vllm-dp-engine:0.1.0"
+    #: Ray version the engine image carries; written to RayCluster.spec.rayVersion.
+    ray_version: str = constants.RAY_VERSION
+    #: NIC that Gloo and NCCL bind to in every pod (vllm#5094, vllm#7074).
+    socket_ifname: str = "eth0"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting of the operator process, each from one VLLMDP_* variable."""
+
+    #: Renderer inputs: VLLMDP_ENGINE_IMAGE, VLLMDP_SOCKET_IFNAME.
+    render: RenderOptions = field(default_factory=RenderOptions)
+    #: VLLMDP_HEALTH_PROBE: service-dns (in cluster), apiserver-proxy (outside), or off.
+    health_probe: str = "service-dns"
+    #: VLLMDP_RESYNC_SECONDS: how often each resource is reconciled without an event.
+    resync_seconds: float = 5.0
+    #: VLLMDP_BACKOFF_BASE_SECONDS: wait after the first head-job failure; doubles after each.
+    backoff_base_seconds: float = 10.0
+    #: VLLMDP_BACKOFF_CAP_SECONDS: longest wait between head-job relaunches.
+    backoff_cap_seconds: float = 300.0
+    #: VLLMDP_HEALTH_TIMEOUT_SECONDS: timeout of one /health probe.
+    health_timeout_seconds: float = 2.0
+
+    @classmethod
+    def from_env(cls) -> Config:
+        """Read the settings from the process environment."""
+        defaults = RenderOptions()
+        return cls(
+            render=RenderOptions(
+                default_image=os.environ.get("VLLMDP_ENGINE_IMAGE") or defaults.default_image,
+                socket_ifname=os.environ.get("VLLMDP_SOCKET_IFNAME") or defaults.socket_ifname,
+            ),
+            health_probe=os.environ.get("VLLMDP_HEALTH_PROBE") or "service-dns",
+            resync_seconds=_env_float("VLLMDP_RESYNC_SECONDS", 5.0),
+            backoff_base_seconds=_env_float("VLLMDP_BACKOFF_BASE_SECONDS", 10.0),
+            backoff_cap_seconds=_env_float("VLLMDP_BACKOFF_CAP_SECONDS", 300.0),
+            health_timeout_seconds=_env_float("VLLMDP_HEALTH_TIMEOUT_SECONDS", 2.0),
+        )
+
+    def backoff(self, consecutive_failures: int) -> float:
+        """Seconds to wait before relaunching after this many failures in a row."""
+        if consecutive_failures <= 0:
+            return 0.0
+        return min(self.backoff_base_seconds * 2 ** (consecutive_failures - 1),
+                   self.backoff_cap_seconds)

@@ -1,0 +1,289 @@
+"""Pydantic models of the VLLMDataParallel API: the single source of the CRD schema."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from vllm_dp_operator import constants
+
+# Kubernetes quantity grammar (resource.Quantity), so bad sizes fail at admission.
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i?|[mkMGTPE])?$"
+
+
+class ApiModel(BaseModel):
+    """Base for every API object: camelCase on the wire, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, use_enum_values=True
+    )
+
+
+class PackStrategy(StrEnum):
+    """vLLM's VLLM_RAY_DP_PACK_STRATEGY: how DP ranks are packed onto Ray nodes."""
+
+    STRICT = "strict"
+    FILL = "fill"
+    SPAN = "span"
+
+
+class DataParallel(ApiModel):
+    """Data-parallel layout: how many engine replicas and how they pack onto GPU pods."""
+
+    size: int = Field(
+        ge=1,
+        le=1024,
+        description="Number of data-parallel ranks (vLLM --data-parallel-size). At least 2: "
+        "with the Ray backend vLLM resets the DP master address to 127.0.0.1 at DP=1.",
+    )
+    ranks_per_node: int = Field(
+        ge=0,
+        le=64,
+        description="DP ranks on each GPU pod, the head pod included (vLLM "
+        "--data-parallel-size-local). At least 1: vllm serve must run on a pod that sees a GPU.",
+    )
+    pack_strategy: PackStrategy = Field(
+        default=PackStrategy.STRICT,
+        description="How vLLM packs DP ranks onto Ray nodes (VLLM_RAY_DP_PACK_STRATEGY): "
+        "strict (every pod holds exactly ranksPerNode ranks), fill (worker pods take as many "
+        "ranks as fit), span (one rank's tensor-parallel group spans several pods).",
+    )
+
+
+class Gpu(ApiModel):
+    """GPU shape of every Ray pod (the head is one of the GPU pods)."""
+
+    resource_name: str = Field(
+        default="nvidia.com/gpu",
+        min_length=1,
+        max_length=253,
+        description="Extended resource name of the GPU (e.g. nvidia.com/gpu, amd.com/gpu).",
+    )
+    per_pod: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="GPUs requested by each Ray pod. Defaults to ranksPerNode x "
+        "tensorParallelSize; required for the span strategy.",
+    )
+
+
+class PodResources(ApiModel):
+    """CPU and memory of each Ray pod; requests equal limits."""
+
+    cpu: str | None = Field(
+        default=None, pattern=QUANTITY_PATTERN, description="CPU per pod, e.g. '16'."
+    )
+    memory: str | None = Field(
+        default=None, pattern=QUANTITY_PATTERN, description="Memory per pod, e.g. '128Gi'."
+    )
+
+
+class SecretKeyRef(ApiModel):
+    """A key in a Secret in the resource's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(min_length=1, max_length=253, description="Key inside the Secret.")
+
+
+class ModelCache(ApiModel):
+    """An existing PersistentVolumeClaim mounted as the Hugging Face cache on every pod."""
+
+    claim_name: str = Field(
+        min_length=1, max_length=253, description="Name of an existing PersistentVolumeClaim."
+    )
+    mount_path: str = Field(
+        default="/root/.cache/huggingface",
+        pattern=r"^/",
+        max_length=4096,
+        description="Where the claim is mounted; HF_HOME points here.",
+    )
+    read_only: bool = Field(default=False, description="Mount the claim read-only.")
+
+
+class EnvVar(ApiModel):
+    """An environment variable for vllm serve and its engines."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+        description="Variable name.",
+    )
+    value: str | None = Field(
+        default=None,
+        max_length=32768,
+        description="Literal value. Literal variables reach vllm serve through the head job, "
+        "so changing them relaunches the engines without restarting pods.",
+    )
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef). "
+        "Such variables are set on every Ray pod, so changing them replaces the pods.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class ServiceType(StrEnum):
+    """Kubernetes Service types the API service may use."""
+
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+class ServiceSpec(ApiModel):
+    """The Service exposing vLLM's OpenAI-compatible API server."""
+
+    type: ServiceType = Field(default=ServiceType.CLUSTER_IP, description="Service type.")
+    port: int = Field(
+        default=constants.DEFAULT_SERVING_PORT,
+        ge=1,
+        le=65535,
+        description="Port of the API server on the head pod and on the Service.",
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="Annotations added to the Service."
+    )
+
+
+class VLLMDataParallelSpec(ApiModel):
+    """Desired state: one data-parallel vLLM deployment on a Ray cluster."""
+
+    model: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Model to serve: a Hugging Face repo id or a path on the model cache.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Name the API answers to (vLLM --served-model-name); defaults to model.",
+    )
+    image: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Engine image (vLLM + Ray + launcher); defaults to the operator's setting.",
+    )
+    data_parallel: DataParallel = Field(description="Data-parallel layout.")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="GPUs per DP rank (vLLM --tensor-parallel-size).",
+    )
+    api_server_count: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="API server processes on the head pod (vLLM --api-server-count); "
+        "vLLM's default when unset.",
+    )
+    gpu: Gpu = Field(default_factory=Gpu, description="GPU shape of the Ray pods.")
+    resources: PodResources = Field(
+        default_factory=PodResources, description="CPU and memory of each Ray pod."
+    )
+    shm_size: str = Field(
+        default=constants.DEFAULT_SHM_SIZE,
+        pattern=QUANTITY_PATTERN,
+        description="Size of the memory-backed /dev/shm on each pod (NCCL needs more than "
+        "the container default of 64Mi).",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node selector for every Ray pod."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Tolerations for every Ray pod, added to one for the GPU resource taint.",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="Affinity for every Ray pod.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    priority_class_name: str | None = Field(
+        default=None, max_length=253, description="PriorityClass of every Ray pod."
+    )
+    engine_args: list[str] = Field(
+        default_factory=list,
+        max_length=128,
+        description="Extra vllm serve flags, passed through as given. Flags the operator owns "
+        "(DP, TP, address, backend, host, port, API servers, model) are rejected.",
+        json_schema_extra={"items": {"type": "string", "maxLength": 4096}},
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128, description="Environment for the engines."
+    )
+    hf_token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding a Hugging Face token, exposed as HF_TOKEN on every pod.",
+    )
+    model_cache: ModelCache | None = Field(
+        default=None, description="PersistentVolumeClaim used as the Hugging Face cache."
+    )
+    service: ServiceSpec = Field(
+        default_factory=ServiceSpec, description="Service exposing the API server."
+    )
+    suspend: bool = Field(
+        default=False,
+        description="Stop the engines and release the GPU pods, keeping the resource.",
+    )
+
+
+class Condition(ApiModel):
+    """A status condition shaped like metav1.Condition."""
+
+    type: str = Field(description="Condition type.")
+    status: str = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(
+        default=None, description="Generation the condition was computed from."
+    )
+
+
+class PodLayout(ApiModel):
+    """One GPU pod of the plan."""
+
+    index: int = Field(description="Pod index; 0 is the Ray head.")
+    role: str = Field(description="head or worker.")
+    ranks: str = Field(description="DP ranks placed on the pod, e.g. '0-3'.")
+    gpus: int = Field(description="GPUs of the pod used by engines.")
+
+
+class Layout(ApiModel):
+    """The planned layout of DP ranks onto GPU pods."""
+
+    gpu_pods: int = Field(description="Number of GPU pods, head included.")
+    gpus_per_pod: int = Field(description="GPUs requested by each pod.")
+    total_gpus: int = Field(description="GPUs requested in all.")
+    pods: list[PodLayout] = Field(default_factory=list, description="Per-pod placement.")
+
+
+class VLLMDataParallelStatus(ApiModel):
+    """Observed state, written by the operator."""
+
+    phase: str | None = Field(default=None, description="Lifecycle phase.")
+    message: str | None = Field(default=None, description="What is happening, in words.")
+    observed_generation: int | None = Field(
+        default=None, description="Generation last reconciled."
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="Conditions.")
+    layout: Layout | None = Field(default=None, description="Planned layout.")
+    ray_cluster: str | None = Field(default=None, description="Name of the RayCluster.")
+    head_job: str | None = Field(default=None, description="Name of the current head RayJob.")
+    endpoint: str | None = Field(default=None, description="OpenAI-compatible base URL.")
+    launch_attempts: int = Field(default=0, description="Head jobs created so far.")
+    consecutive_failures: int = Field(
+        default=0, description="Head-job failures since the engines last served."
+    )
+    last_failed_job: str | None = Field(default=None, description="Last head job seen failed.")
+    last_failure_time: str | None = Field(
+        default=None, description="When the last head-job failure was seen (RFC 3339)."
+    )

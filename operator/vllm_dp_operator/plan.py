@@ -1,0 +1,196 @@
+"""The DP layout, computed once from a valid spec: pods, ranks and the head job's command."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_dp_operator.models import PackStrategy, VLLMDataParallelSpec
+
+LAUNCH_PLAN_VERSION = 1
+# Prefixes vLLM copies from the driver to every engine actor, on top of its own.
+# GLOO_ is not copied by default (vllm#5094); NCCL_ and HF_ settings must reach every rank.
+# VLLM_ is left to vLLM's own list, which keeps each node's VLLM_HOST_IP local (vllm#13521).
+COPIED_ENV_PREFIXES = ("GLOO_", "NCCL_", "HF_")
+DEFAULT_WAIT_TIMEOUT_SECONDS = 900
+DEFAULT_PREFLIGHT_TIMEOUT_SECONDS = 30
+
+
+@dataclass(frozen=True)
+class PodPlan:
+    """One GPU pod: its role and the DP ranks vLLM will place on it."""
+
+    index: int
+    role: str  # "head" or "worker"
+    ranks: tuple[int, ...]
+    gpus: int  # GPUs used by engines on this pod
+
+    def ranks_text(self) -> str:
+        """Ranks as a compact range list, e.g. '0-3' or '4,6'."""
+        return compact_ranges(self.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything derived from the spec that the renderers and the launcher need."""
+
+    model: str
+    data_parallel_size: int
+    ranks_per_node: int
+    tensor_parallel_size: int
+    pack_strategy: str
+    gpus_per_pod: int
+    pods: tuple[PodPlan, ...]
+    port: int
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+    @property
+    def gpu_pods(self) -> int:
+        """Number of GPU pods, the head included."""
+        return len(self.pods)
+
+    @property
+    def worker_pods(self) -> int:
+        """GPU pods besides the head."""
+        return len(self.pods) - 1
+
+    @property
+    def total_gpus(self) -> int:
+        """GPUs requested by all pods."""
+        return self.gpus_per_pod * len(self.pods)
+
+    def launch_spec(self) -> dict[str, Any]:
+        """The JSON document the head job hands to the launcher."""
+        return {
+            "version": LAUNCH_PLAN_VERSION,
+            "model": self.model,
+            "dataParallelSize": self.data_parallel_size,
+            "ranksPerNode": self.ranks_per_node,
+            "tensorParallelSize": self.tensor_parallel_size,
+            "packStrategy": self.pack_strategy,
+            "gpuPods": self.gpu_pods,
+            "gpusPerPod": self.gpus_per_pod,
+            "totalGpus": self.total_gpus,
+            "pods": [
+                {"index": p.index, "role": p.role, "ranks": list(p.ranks), "gpus": p.gpus}
+                for p in self.pods
+            ],
+            "port": self.port,
+            "command": list(self.command),
+            "env": dict(self.env),
+            "waitTimeoutSeconds": DEFAULT_WAIT_TIMEOUT_SECONDS,
+            "preflightTimeoutSeconds": DEFAULT_PREFLIGHT_TIMEOUT_SECONDS,
+        }
+
+
+def compact_ranges(ranks: tuple[int, ...]) -> str:
+    """Render sorted integers as ranges: (0, 1, 2, 5) -> '0-2,5'."""
+    parts: list[str] = []
+    start = prev = None
+    for r in sorted(set(ranks)):
+        if start is None:
+            start = prev = r
+        elif prev is not None and r == prev + 1:
+            prev = r
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def _strict_pods(dp: int, per_node: int, tp: int) -> list[PodPlan]:
+    # vLLM strict: the head and every other node hold exactly ranksPerNode ranks.
+    return [
+        PodPlan(i, "head" if i == 0 else "worker", tuple(range(i * per_node, (i + 1) * per_node)),
+                per_node * tp)
+        for i in range(dp // per_node)
+    ]
+
+
+def _fill_pods(dp: int, per_node: int, tp: int, gpus_per_pod: int) -> list[PodPlan]:
+    # vLLM fill: the head holds exactly ranksPerNode; other nodes take as many as fit.
+    pods = [PodPlan(0, "head", tuple(range(per_node)), per_node * tp)]
+    per_worker = gpus_per_pod // tp
+    next_rank = per_node
+    for i in range(1, 1 + math.ceil((dp - per_node) / per_worker)):
+        ranks = tuple(range(next_rank, min(dp, next_rank + per_worker)))
+        pods.append(PodPlan(i, "worker", ranks, len(ranks) * tp))
+        next_rank += len(ranks)
+    return pods
+
+
+def _span_pods(dp: int, tp: int, gpus_per_pod: int) -> list[PodPlan]:
+    # vLLM span: each rank's TP group covers tp / gpusPerPod whole pods, rank 0 on the head.
+    pods_per_rank = tp // gpus_per_pod
+    return [
+        PodPlan(i, "head" if i == 0 else "worker", (i // pods_per_rank,), gpus_per_pod)
+        for i in range(dp * pods_per_rank)
+    ]
+
+
+def build_command(spec: VLLMDataParallelSpec, ranks_per_node: int) -> tuple[str, ...]:
+    """The vllm serve argv, without the DP address only the launcher can know."""
+    cmd = [
+        "vllm", "serve", spec.model,
+        "--host", "0.0.0.0",
+        "--port", str(spec.service.port),
+        "--data-parallel-backend", "ray",
+        "--data-parallel-size", str(spec.data_parallel.size),
+        "--data-parallel-size-local", str(ranks_per_node),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+    ]  # fmt: skip
+    if spec.served_model_name:
+        cmd += ["--served-model-name", spec.served_model_name]
+    if spec.api_server_count is not None:
+        cmd += ["--api-server-count", str(spec.api_server_count)]
+    return (*cmd, *spec.engine_args)
+
+
+def build_env(spec: VLLMDataParallelSpec) -> tuple[tuple[str, str], ...]:
+    """Environment of vllm serve: pack strategy, prefixes Ray copies, the user's literals."""
+    literals = [(e.name, e.value or "") for e in spec.env if e.value_from is None]
+    extra = (n for n, _ in literals if not n.startswith((*COPIED_ENV_PREFIXES, "VLLM_")))
+    prefixes = [*COPIED_ENV_PREFIXES, *extra]
+    return (
+        ("VLLM_RAY_DP_PACK_STRATEGY", str(spec.data_parallel.pack_strategy)),
+        ("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", ",".join(prefixes)),
+        *literals,
+    )
+
+
+def gpus_per_pod(spec: VLLMDataParallelSpec) -> int:
+    """GPUs each pod requests: gpu.perPod, else what the head's ranks need."""
+    if spec.gpu.per_pod is not None:
+        return spec.gpu.per_pod
+    return spec.data_parallel.ranks_per_node * spec.tensor_parallel_size
+
+
+def build_plan(spec: VLLMDataParallelSpec) -> Plan:
+    """Lay the DP ranks onto identical GPU pods the way vLLM's placement will."""
+    dp = spec.data_parallel.size
+    per_node = spec.data_parallel.ranks_per_node
+    tp = spec.tensor_parallel_size
+    per_pod = gpus_per_pod(spec)
+    strategy = PackStrategy(spec.data_parallel.pack_strategy)
+    if strategy is PackStrategy.STRICT:
+        pods = _strict_pods(dp, per_node, tp)
+    elif strategy is PackStrategy.FILL:
+        pods = _fill_pods(dp, per_node, tp, per_pod)
+    else:
+        pods = _span_pods(dp, tp, per_pod)
+    return Plan(
+        model=spec.model,
+        data_parallel_size=dp,
+        ranks_per_node=per_node,
+        tensor_parallel_size=tp,
+        pack_strategy=str(strategy),
+        gpus_per_pod=per_pod,
+        pods=tuple(pods),
+        port=spec.service.port,
+        command=build_command(spec, per_node),
+        env=build_env(spec),
+    )

@@ -1,0 +1,161 @@
+"""Render the KubeRay RayCluster: identical GPU pods, the head being one of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dp_operator import constants, names
+from vllm_dp_operator.config import RenderOptions
+from vllm_dp_operator.models import VLLMDataParallelSpec
+from vllm_dp_operator.plan import Plan
+from vllm_dp_operator.render.meta import metadata
+
+WORKER_GROUP = "gpu"
+SHM_VOLUME = "dshm"
+CACHE_VOLUME = "model-cache"
+
+
+def _env(spec: VLLMDataParallelSpec, options: RenderOptions) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        # vLLM's DP master IP must equal this pod's Ray node:<ip> (aibrix#927, vllm#13521).
+        {"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # Gloo and NCCL otherwise may pick a NIC other pods cannot reach (vllm#5094, #7074).
+        {"name": "GLOO_SOCKET_IFNAME", "value": options.socket_ifname},
+        {"name": "NCCL_SOCKET_IFNAME", "value": options.socket_ifname},
+    ]
+    if spec.hf_token_secret_ref is not None:
+        ref = spec.hf_token_secret_ref
+        env.append(
+            {"name": "HF_TOKEN",
+             "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        )  # fmt: skip
+    if spec.model_cache is not None:
+        env.append({"name": "HF_HOME", "value": spec.model_cache.mount_path})
+    env += [{"name": e.name, "valueFrom": e.value_from} for e in spec.env if e.value_from]
+    return env
+
+
+def _resources(spec: VLLMDataParallelSpec, plan: Plan) -> dict[str, Any]:
+    amounts: dict[str, Any] = {spec.gpu.resource_name: plan.gpus_per_pod}
+    if spec.resources.cpu:
+        amounts["cpu"] = spec.resources.cpu
+    if spec.resources.memory:
+        amounts["memory"] = spec.resources.memory
+    return {"limits": dict(amounts), "requests": dict(amounts)}
+
+
+def _head_ports(spec: VLLMDataParallelSpec) -> list[dict[str, Any]]:
+    # Once one port is declared KubeRay exposes only declared ones: declare Ray's too.
+    return [
+        {"name": "gcs-server", "containerPort": constants.RAY_GCS_PORT},
+        {"name": "dashboard", "containerPort": constants.RAY_DASHBOARD_PORT},
+        {"name": "client", "containerPort": constants.RAY_CLIENT_PORT},
+        {"name": "http", "containerPort": spec.service.port},
+    ]
+
+
+def _pod_template(
+    instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions, head: bool
+) -> dict[str, Any]:
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [
+        # NCCL needs far more shared memory than the 64Mi container default.
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
+    ]
+    if spec.model_cache is not None:
+        cache = spec.model_cache
+        mounts.append(
+            {"name": CACHE_VOLUME, "mountPath": cache.mount_path, "readOnly": cache.read_only}
+        )
+        volumes.append(
+            {"name": CACHE_VOLUME,
+             "persistentVolumeClaim": {"claimName": cache.claim_name, "readOnly": cache.read_only}}
+        )  # fmt: skip
+    container: dict[str, Any] = {
+        "name": "ray-head" if head else "ray-worker",
+        "image": spec.image or options.default_image,
+        "imagePullPolicy": "IfNotPresent",
+        "resources": _resources(spec, plan),
+        "env": _env(spec, options),
+        "volumeMounts": mounts,
+    }
+    if head:
+        container["ports"] = _head_ports(spec)
+    tolerations = [
+        {"key": spec.gpu.resource_name, "operator": "Exists", "effect": "NoSchedule"},
+        *spec.tolerations,
+    ]
+    pod: dict[str, Any] = {
+        # A Service named like vLLM's settings would inject VLLM_PORT=tcp://... (vllm#34199).
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+        "tolerations": tolerations,
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.affinity:
+        pod["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    labels = names.instance_labels(instance, constants.COMPONENT_ENGINE)
+    return {"metadata": {"labels": labels}, "spec": pod}
+
+
+def _cluster_spec(
+    instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions
+) -> dict[str, Any]:
+    gpus = str(plan.gpus_per_pod)
+    cluster: dict[str, Any] = {
+        "rayVersion": options.ray_version,
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": {
+            "rayStartParams": {"num-gpus": gpus, "dashboard-host": "0.0.0.0"},
+            "template": _pod_template(instance, spec, plan, options, head=True),
+        },
+        "workerGroupSpecs": [],
+    }
+    if plan.worker_pods:
+        cluster["workerGroupSpecs"] = [
+            {
+                "groupName": WORKER_GROUP,
+                "replicas": plan.worker_pods,
+                "minReplicas": plan.worker_pods,
+                "maxReplicas": plan.worker_pods,
+                "rayStartParams": {"num-gpus": gpus},
+                "template": _pod_template(instance, spec, plan, options, head=False),
+            }
+        ]
+    return cluster
+
+
+def cluster_hash(
+    instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions
+) -> str:
+    """Hash of everything that shapes the pods; a new value means a new RayCluster."""
+    return names.content_hash(_cluster_spec(instance, spec, plan, options))
+
+
+def build_raycluster(
+    instance: str,
+    namespace: str,
+    spec: VLLMDataParallelSpec,
+    plan: Plan,
+    options: RenderOptions,
+    owner: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The RayCluster manifest for a plan; its name carries the shape hash."""
+    body = _cluster_spec(instance, spec, plan, options)
+    shape = names.content_hash(body)
+    labels = {
+        **names.instance_labels(instance, constants.COMPONENT_ENGINE),
+        constants.LABEL_CLUSTER_HASH: shape,
+    }
+    # Suspending keeps the shape: it stops the pods without creating a new cluster.
+    body["suspend"] = spec.suspend
+    return {
+        "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
+        "kind": "RayCluster",
+        "metadata": metadata(names.raycluster(instance, shape), namespace, labels, owner),
+        "spec": body,
+    }

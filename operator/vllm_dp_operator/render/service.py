@@ -1,0 +1,43 @@
+"""Render the Service in front of vLLM's OpenAI-compatible API server on the head pod."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dp_operator import constants, names
+from vllm_dp_operator.models import VLLMDataParallelSpec
+from vllm_dp_operator.render.meta import metadata
+
+
+def build_service(
+    instance: str,
+    namespace: str,
+    spec: VLLMDataParallelSpec,
+    cluster_name: str,
+    owner: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A Service selecting only the head pod of one RayCluster, on the serving port."""
+    labels = names.instance_labels(instance, constants.COMPONENT_API)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(
+            names.service(instance), namespace, labels, owner, spec.service.annotations
+        ),
+        "spec": {
+            "type": str(spec.service.type),
+            # KubeRay's -serve-svc would select worker pods too; only the head serves.
+            "selector": {
+                constants.LABEL_RAY_CLUSTER: cluster_name,
+                constants.LABEL_RAY_NODE_TYPE: "head",
+            },
+            "ports": [
+                {
+                    "name": "http",
+                    "protocol": "TCP",
+                    "port": spec.service.port,
+                    "targetPort": spec.service.port,
+                }
+            ],
+        },
+    }

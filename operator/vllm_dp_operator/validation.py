@@ -1,0 +1,249 @@
+"""Cross-field rules of the spec: one table, rendered as CRD CEL rules and run in Python."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from vllm_dp_operator import constants
+from vllm_dp_operator.models import PackStrategy, VLLMDataParallelSpec
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule over the spec: a CEL expression for the API server, a predicate for Python."""
+
+    field: str  # path below spec, as the API server reports it (fieldPath ".<field>")
+    cel: str  # evaluated with self = spec
+    message: str
+    holds: Callable[[VLLMDataParallelSpec], bool]
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One validation failure, naming the field and the rule."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(ValueError):
+    """A spec that breaks one or more rules."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+
+@dataclass(frozen=True)
+class OwnedFlag:
+    """A vllm serve flag the operator sets itself, and where the user says it instead."""
+
+    pattern: str  # RE2 and Python re compatible, matched against one engineArgs item
+    flag: str
+    use_instead: str
+
+
+def _flag(long: str, short: str | None = None) -> str:
+    # vLLM's parser accepts underscores for dashes in long flags, and --flag=value forms.
+    body = long[2:].replace("-", "[-_]")
+    alternatives = f"--{body}" + (f"|{short}" if short else "")
+    return f"^({alternatives})(=.*)?$"
+
+
+OWNED_FLAGS: tuple[OwnedFlag, ...] = (
+    OwnedFlag(_flag("--data-parallel-size", "-dp"), "--data-parallel-size", "spec.dataParallel.size"),
+    OwnedFlag(
+        _flag("--data-parallel-size-local", "-dpl"),
+        "--data-parallel-size-local",
+        "spec.dataParallel.ranksPerNode",
+    ),
+    OwnedFlag(
+        _flag("--data-parallel-address", "-dpa"),
+        "--data-parallel-address",
+        "nothing: the launcher sets it to the head pod's Ray node IP",
+    ),
+    OwnedFlag(
+        _flag("--data-parallel-backend", "-dpb"),
+        "--data-parallel-backend",
+        "nothing: the operator always uses the ray backend",
+    ),
+    OwnedFlag(
+        _flag("--distributed-executor-backend"),
+        "--distributed-executor-backend",
+        "nothing: the ray data-parallel backend forces the ray executor",
+    ),
+    OwnedFlag(
+        _flag("--tensor-parallel-size", "-tp"), "--tensor-parallel-size", "spec.tensorParallelSize"
+    ),
+    OwnedFlag(_flag("--port"), "--port", "spec.service.port"),
+    OwnedFlag(_flag("--host"), "--host", "nothing: the API server listens on all pod addresses"),
+    OwnedFlag(_flag("--api-server-count", "-asc"), "--api-server-count", "spec.apiServerCount"),
+    OwnedFlag(_flag("--model"), "--model", "spec.model"),
+    OwnedFlag(_flag("--served-model-name"), "--served-model-name", "spec.servedModelName"),
+    OwnedFlag(_flag("--nnodes", "-n"), "--nnodes", "spec.dataParallel (multi-node is Ray's job)"),
+)
+
+# Variables the operator sets, and what to use instead; HF_TOKEN only as a literal.
+RESERVED_ENV = {
+    "VLLM_HOST_IP": "nothing: each pod sets it from its own pod IP",
+    "VLLM_PORT": "nothing: vLLM crashes when it holds a URI (vllm#34199)",
+    "VLLM_RAY_DP_PACK_STRATEGY": "spec.dataParallel.packStrategy",
+}
+
+
+def _owned_flag_rule(owned: OwnedFlag) -> Rule:
+    regex = re.compile(owned.pattern)
+    return Rule(
+        field="engineArgs",
+        cel=f"!self.engineArgs.exists(a, a.matches('{owned.pattern}'))",
+        message=f"must not set {owned.flag}, which the operator owns; use {owned.use_instead}",
+        holds=lambda s: not any(regex.search(a) for a in s.engine_args),
+    )
+
+
+def _strategy(s: VLLMDataParallelSpec) -> str:
+    return str(s.data_parallel.pack_strategy)
+
+
+def _reserved_list() -> str:
+    return "[" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + "]"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        field="dataParallel.size",
+        cel="self.dataParallel.size >= 2",
+        message="must be at least 2: with --data-parallel-backend ray vLLM resets the DP master "
+        "address to 127.0.0.1 at DP=1 (vllm#51712); serve one replica without this operator",
+        holds=lambda s: s.data_parallel.size >= 2,
+    ),
+    Rule(
+        field="dataParallel.ranksPerNode",
+        cel="self.dataParallel.ranksPerNode >= 1",
+        message="must be at least 1: vllm serve runs on the head pod, which must hold DP ranks "
+        "and see a GPU (a CPU-only head fails, production-stack#1056)",
+        holds=lambda s: s.data_parallel.ranks_per_node >= 1,
+    ),
+    Rule(
+        field="dataParallel.ranksPerNode",
+        cel="self.dataParallel.ranksPerNode <= self.dataParallel.size",
+        message="must not exceed dataParallel.size",
+        holds=lambda s: s.data_parallel.ranks_per_node <= s.data_parallel.size,
+    ),
+    Rule(
+        field="dataParallel.size",
+        cel="self.dataParallel.packStrategy != 'strict' || "
+        "self.dataParallel.size % self.dataParallel.ranksPerNode == 0",
+        message="must be a multiple of dataParallel.ranksPerNode with packStrategy strict "
+        "(every pod holds exactly ranksPerNode ranks); use fill for a partial last pod",
+        holds=lambda s: _strategy(s) != PackStrategy.STRICT
+        or s.data_parallel.ranks_per_node == 0
+        or s.data_parallel.size % s.data_parallel.ranks_per_node == 0,
+    ),
+    Rule(
+        field="gpu.perPod",
+        cel="self.dataParallel.packStrategy == 'span' || !has(self.gpu.perPod) || "
+        "self.dataParallel.ranksPerNode * self.tensorParallelSize <= self.gpu.perPod",
+        message="must be at least dataParallel.ranksPerNode x tensorParallelSize: the head pod "
+        "must hold all of its ranks",
+        holds=lambda s: _strategy(s) == PackStrategy.SPAN
+        or s.gpu.per_pod is None
+        or s.data_parallel.ranks_per_node * s.tensor_parallel_size <= s.gpu.per_pod,
+    ),
+    Rule(
+        field="dataParallel.ranksPerNode",
+        cel="self.dataParallel.packStrategy != 'span' || self.dataParallel.ranksPerNode == 1",
+        message="must be 1 with packStrategy span: each rank spans several pods",
+        holds=lambda s: _strategy(s) != PackStrategy.SPAN or s.data_parallel.ranks_per_node == 1,
+    ),
+    Rule(
+        field="gpu.perPod",
+        cel="self.dataParallel.packStrategy != 'span' || has(self.gpu.perPod)",
+        message="is required with packStrategy span: it decides how many pods one rank spans",
+        holds=lambda s: _strategy(s) != PackStrategy.SPAN or s.gpu.per_pod is not None,
+    ),
+    Rule(
+        field="tensorParallelSize",
+        cel="self.dataParallel.packStrategy != 'span' || !has(self.gpu.perPod) || "
+        "self.tensorParallelSize % self.gpu.perPod == 0",
+        message="must be a multiple of gpu.perPod with packStrategy span: vLLM spans a rank "
+        "over whole identical pods",
+        holds=lambda s: _strategy(s) != PackStrategy.SPAN
+        or s.gpu.per_pod is None
+        or s.tensor_parallel_size % s.gpu.per_pod == 0,
+    ),
+    Rule(
+        field="service.port",
+        cel="!(self.service.port in [6379, 8265, 10001])",
+        message="must not be 6379, 8265 or 10001: the Ray head pod uses those ports",
+        holds=lambda s: s.service.port not in constants.RAY_RESERVED_PORTS,
+    ),
+    *(_owned_flag_rule(f) for f in OWNED_FLAGS),
+    Rule(
+        field="env",
+        cel=f"self.env.all(e, !(e.name in {_reserved_list()}))",
+        message="must not set "
+        + ", ".join(f"{name} (use {instead})" for name, instead in RESERVED_ENV.items()),
+        holds=lambda s: all(e.name not in RESERVED_ENV for e in s.env),
+    ),
+    Rule(
+        field="env",
+        cel="self.env.all(e, e.name != 'HF_TOKEN' || !has(e.value))",
+        message="must not hold HF_TOKEN as a literal value; use hfTokenSecretRef",
+        holds=lambda s: all(e.name != "HF_TOKEN" or e.value is None for e in s.env),
+    ),
+    Rule(
+        field="env",
+        cel="self.env.all(e, !(has(e.value) && has(e.valueFrom)))",
+        message="each variable takes value or valueFrom, not both",
+        holds=lambda s: all(e.value is None or e.value_from is None for e in s.env),
+    ),
+    Rule(
+        field="env",
+        cel="self.env.all(e, self.env.exists_one(f, f.name == e.name))",
+        message="must not name a variable twice",
+        holds=lambda s: len({e.name for e in s.env}) == len(s.env),
+    ),
+)
+
+NAME_RULE_CEL = f"self.metadata.name.size() <= {constants.MAX_NAME_LENGTH}"
+NAME_RULE_MESSAGE = (
+    f"must be at most {constants.MAX_NAME_LENGTH} characters: the RayCluster, its pods and "
+    "Services are named after it within Kubernetes' 63-character limit"
+)
+
+
+def _pydantic_errors(err: ValidationError) -> list[FieldError]:
+    out = []
+    for item in err.errors():
+        path = ".".join(["spec", *(str(p) for p in item["loc"])])
+        out.append(FieldError(path, item["msg"]))
+    return out
+
+
+def check_rules(spec: VLLMDataParallelSpec) -> list[FieldError]:
+    """Every broken rule of a parsed spec, in table order."""
+    return [FieldError(f"spec.{r.field}", r.message) for r in RULES if not r.holds(spec)]
+
+
+def validate(name: str, raw_spec: Mapping[str, Any] | None) -> VLLMDataParallelSpec:
+    """Parse and check a spec as the API server would; raise SpecError naming each field."""
+    errors: list[FieldError] = []
+    if len(name) > constants.MAX_NAME_LENGTH:
+        errors.append(FieldError("metadata.name", NAME_RULE_MESSAGE))
+    try:
+        spec = VLLMDataParallelSpec.model_validate(raw_spec or {})
+    except ValidationError as err:
+        raise SpecError(errors + _pydantic_errors(err)) from None
+    errors += check_rules(spec)
+    if errors:
+        raise SpecError(errors)
+    return spec

@@ -1,0 +1,13 @@
+//go:build tools
+
+// Package tools pins the Kubernetes commands the test bed builds from this module:
+//
+//	go build -o BIN k8s.io/kubernetes/cmd/kube-apiserver (and the others below)
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
