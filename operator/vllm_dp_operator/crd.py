@@ -28,14 +28,15 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     if not isinstance(node, dict):
         return node
     node = dict(node)
-    if "$ref" in node:
-        target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
-        node = {**copy.deepcopy(target), **node}
+    # anyOf first: an Optional[Model] is anyOf[{$ref}, {type: null}], whose $ref must be inlined.
     if "anyOf" in node:  # Optional[X]: absence already means null
         branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]
         if len(branches) != 1:
             raise ValueError(f"cannot express union in a structural schema: {branches}")
         node = {**branches[0], **node}
+    if "$ref" in node:
+        target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
+        node = {**copy.deepcopy(target), **node}
     node.pop("title", None)
     if node.get("default", 0) is None:
         node.pop("default")
@@ -117,7 +118,12 @@ def build_crd() -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                # The name rule's fieldPath must resolve in the schema;
+                                # name is one of the two metadata fields a CRD may declare.
+                                "metadata": {
+                                    "type": "object",
+                                    "properties": {"name": {"type": "string"}},
+                                },
                                 "spec": spec_schema(),
                                 "status": status,
                             },

@@ -89,6 +89,12 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag(_flag("--model"), "--model", "spec.model"),
     OwnedFlag(_flag("--served-model-name"), "--served-model-name", "spec.servedModelName"),
     OwnedFlag(_flag("--nnodes", "-n"), "--nnodes", "spec.dataParallel (multi-node is Ray's job)"),
+    OwnedFlag(
+        _flag("--data-parallel-rpc-port", "-dpp"),
+        "--data-parallel-rpc-port",
+        "nothing: the ray backend does not need it, and it must never equal the HTTP port "
+        "(vllm#20119)",
+    ),
 )
 
 # Variables the operator sets, and what to use instead; HF_TOKEN only as a literal.
@@ -96,6 +102,8 @@ RESERVED_ENV = {
     "VLLM_HOST_IP": "nothing: each pod sets it from its own pod IP",
     "VLLM_PORT": "nothing: vLLM crashes when it holds a URI (vllm#34199)",
     "VLLM_RAY_DP_PACK_STRATEGY": "spec.dataParallel.packStrategy",
+    "RAY_ADDRESS": "nothing: vllm serve joins the Ray cluster it runs in; ray:// addresses "
+    "are not supported (vllm#14349)",
 }
 
 
@@ -140,8 +148,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field="dataParallel.size",
-        cel="self.dataParallel.packStrategy != 'strict' || "
-        "self.dataParallel.size % self.dataParallel.ranksPerNode == 0",
+        # ranksPerNode 0 is reported by its own rule; guard so CEL never divides by zero.
+        cel="self.dataParallel.packStrategy != 'strict' || self.dataParallel.ranksPerNode == 0 "
+        "|| self.dataParallel.size % self.dataParallel.ranksPerNode == 0",
         message="must be a multiple of dataParallel.ranksPerNode with packStrategy strict "
         "(every pod holds exactly ranksPerNode ranks); use fill for a partial last pod",
         holds=lambda s: _strategy(s) != PackStrategy.STRICT
@@ -224,7 +233,8 @@ NAME_RULE_MESSAGE = (
 def _pydantic_errors(err: ValidationError) -> list[FieldError]:
     out = []
     for item in err.errors():
-        path = ".".join(["spec", *(str(p) for p in item["loc"])])
+        # Kubernetes spelling: list indexes in brackets (spec.env[0].name).
+        path = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"])
         out.append(FieldError(path, item["msg"]))
     return out
 

@@ -1,0 +1,77 @@
+"""kopf wiring: each handler delegates to the one reconcile and applies its outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from vllm_dp_operator import constants
+from vllm_dp_operator.config import Config
+from vllm_dp_operator.kube import ApiKube
+from vllm_dp_operator.probe import make_probe
+from vllm_dp_operator.reconcile import Outcome, Resource, reconcile
+
+CONFIG = Config.from_env()
+RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Connect once; keep kopf's bookkeeping in our own annotations, not in status."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=constants.GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
+    settings.posting.level = 30  # WARNING: our own events are posted explicitly
+    kube = await ApiKube.connect()
+    memo.kube = kube
+    memo.probe = make_probe(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
+    memo.locks = {}
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """Close the API client."""
+    await memo.kube.close()
+
+
+def _apply(outcome: Outcome, body: kopf.Body, patch: kopf.Patch) -> None:
+    # Only changed keys are written, so a steady resource costs no writes per resync.
+    current = body.get("status") or {}
+    for key, value in outcome.status.items():
+        if current.get(key) != value:
+            patch.status[key] = value
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+async def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
+    res = Resource.from_body(body)
+    lock = memo.locks.setdefault(res.uid, asyncio.Lock())
+    async with lock:  # the timer and change handlers never reconcile one object at once
+        outcome = await reconcile(res, memo.kube, memo.probe, CONFIG, datetime.now(UTC))
+    _apply(outcome, body, patch)
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Create, resume and spec changes: reconcile now."""
+    await _run(body, patch, memo)
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.resync_seconds)
+async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Level-triggered resync: children's progress is read on every tick."""
+    await _run(body, patch, memo)
+
+
+@kopf.on.delete(*RESOURCE, optional=True)
+async def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Children go by owner references; only forget the per-object lock."""
+    memo.locks.pop(body["metadata"]["uid"], None)

@@ -1,0 +1,153 @@
+"""The one seam between the reconcile and the Kubernetes API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from vllm_dp_operator import constants
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A namespaced API resource the operator reads or writes."""
+
+    group: str  # "" for the core group
+    version: str
+    plural: str
+
+    def path(self, namespace: str, name: str | None = None) -> str:
+        """The REST path of the collection, or of one object."""
+        base = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        path = f"{base}/namespaces/{namespace}/{self.plural}"
+        return f"{path}/{name}" if name else path
+
+
+RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
+RAYJOB = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayjobs")
+SERVICE = Kind("", "v1", "services")
+POD = Kind("", "v1", "pods")
+
+
+class AlreadyExists(Exception):
+    """Create answered 409: the object is already there."""
+
+
+class Kube(Protocol):
+    """What the reconcile needs from the API server; tests replace it with a double."""
+
+    async def list(self, kind: Kind, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace matching a label selector."""
+        ...
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None when it does not exist."""
+        ...
+
+    async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Create an object; raise AlreadyExists on 409."""
+        ...
+
+    async def patch(
+        self, kind: Kind, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge-patch an object."""
+        ...
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        """Delete an object in the background; a missing object is not an error."""
+        ...
+
+
+class ApiKube:
+    """Kube over kubernetes_asyncio's REST client, with kubeconfig or in-cluster credentials."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self._api = api
+
+    @classmethod
+    async def connect(cls) -> ApiKube:
+        """Load in-cluster credentials, else the kubeconfig, and build a client."""
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            await config.load_kube_config()
+        return cls(client.ApiClient())
+
+    @property
+    def api(self) -> client.ApiClient:
+        """The underlying REST client, shared with the API-server proxy probe."""
+        return self._api
+
+    async def close(self) -> None:
+        """Release the HTTP session."""
+        await self._api.close()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        return await self._api.call_api(
+            path,
+            method,
+            query_params=query or [],
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body,
+            response_types_map={200: "object", 201: "object", 202: "object"},
+            auth_settings=["BearerToken"],
+            _return_http_data_only=True,
+        )
+
+    async def list(self, kind: Kind, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Objects of a kind in a namespace matching a label selector."""
+        result = await self._call("GET", kind.path(namespace), query=[("labelSelector", selector)])
+        items: list[dict[str, Any]] = result.get("items", [])
+        return items
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None when it does not exist."""
+        try:
+            obj: dict[str, Any] = await self._call("GET", kind.path(namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+    async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Create an object; raise AlreadyExists on 409."""
+        try:
+            obj: dict[str, Any] = await self._call("POST", kind.path(namespace), body=body)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise AlreadyExists(body["metadata"]["name"]) from exc
+            raise
+        return obj
+
+    async def patch(
+        self, kind: Kind, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge-patch an object."""
+        obj: dict[str, Any] = await self._call(
+            "PATCH", kind.path(namespace, name), body=body,
+            content_type="application/merge-patch+json",
+        )  # fmt: skip
+        return obj
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        """Delete an object in the background; a missing object is not an error."""
+        try:
+            await self._call(
+                "DELETE", kind.path(namespace, name),
+                body={"propagationPolicy": "Background"},
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 404:
+                raise

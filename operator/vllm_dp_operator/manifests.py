@@ -1,0 +1,104 @@
+"""Every manifest the operator creates for one resource, rendered offline (CLI, golden tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from vllm_dp_operator import constants
+from vllm_dp_operator.config import RenderOptions
+from vllm_dp_operator.models import VLLMDataParallelSpec
+from vllm_dp_operator.plan import Plan, build_plan
+from vllm_dp_operator.render import build_head_job, build_raycluster, build_service
+from vllm_dp_operator.validation import FieldError, SpecError, validate
+
+DEFAULT_NAMESPACE = "default"
+# The first head job of a resource; status.launchAttempts counts jobs created, from 0.
+FIRST_ATTEMPT = 1
+API_VERSION = f"{constants.GROUP}/{constants.VERSION}"
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A parsed, valid VLLMDataParallel: identity, spec and the plan derived from it."""
+
+    name: str
+    namespace: str
+    spec: VLLMDataParallelSpec
+    plan: Plan
+
+
+def parse_resource(doc: Mapping[str, Any]) -> Resource:
+    """Validate a VLLMDataParallel manifest as the API server and operator would."""
+    errors: list[FieldError] = []
+    if doc.get("apiVersion") != API_VERSION:
+        errors.append(FieldError("apiVersion", f"must be {API_VERSION}"))
+    if doc.get("kind") != constants.KIND:
+        errors.append(FieldError("kind", f"must be {constants.KIND}"))
+    meta = doc.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    if not name:
+        errors.append(FieldError("metadata.name", "is required"))
+    spec: VLLMDataParallelSpec | None = None
+    try:
+        spec = validate(name, doc.get("spec"))
+    except SpecError as err:
+        errors += err.errors
+    if errors or spec is None:
+        raise SpecError(errors)
+    namespace = str(meta.get("namespace") or DEFAULT_NAMESPACE)
+    return Resource(name, namespace, spec, build_plan(spec))
+
+
+def render_resource(
+    resource: Resource, options: RenderOptions, owner: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """RayCluster, Service and the first head job (none while suspended), in creation order."""
+    cluster = build_raycluster(
+        resource.name, resource.namespace, resource.spec, resource.plan, options, owner
+    )
+    cluster_name = cluster["metadata"]["name"]
+    out = [
+        cluster,
+        build_service(resource.name, resource.namespace, resource.spec, cluster_name, owner),
+    ]
+    if not resource.spec.suspend:
+        out.append(
+            build_head_job(
+                resource.name, resource.namespace, resource.plan, cluster_name, FIRST_ATTEMPT,
+                owner,
+            )
+        )  # fmt: skip
+    return out
+
+
+def render_all(
+    doc: Mapping[str, Any], options: RenderOptions, owner: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Every manifest the operator would create for one VLLMDataParallel manifest."""
+    return render_resource(parse_resource(doc), options, owner)
+
+
+def load_documents(text: str) -> list[dict[str, Any]]:
+    """The non-empty YAML (or JSON) documents of a stream; a v1 List is flattened."""
+    docs: list[dict[str, Any]] = []
+    for doc in yaml.safe_load_all(text):
+        if doc is None:
+            continue
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected a mapping per document, got {type(doc).__name__}")
+        if doc.get("kind") == "List" and isinstance(doc.get("items"), list):
+            docs += [item for item in doc["items"] if isinstance(item, dict)]
+        else:
+            docs.append(doc)
+    return docs
+
+
+def to_yaml(docs: Iterable[Mapping[str, Any]]) -> str:
+    """A multi-document YAML stream in the builders' key order, long strings unfolded."""
+    return yaml.safe_dump_all(
+        [dict(d) for d in docs], sort_keys=False, width=1 << 16, explicit_start=True
+    )

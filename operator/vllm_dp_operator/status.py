@@ -1,0 +1,152 @@
+"""Pure status computation: conditions, and what the observed children mean."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+
+def rfc3339(moment: datetime) -> str:
+    """A timestamp as Kubernetes writes it."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(text: str | None) -> datetime | None:
+    """Parse a Kubernetes timestamp; None stays None."""
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+def set_condition(
+    conditions: Iterable[Mapping[str, Any]],
+    type_: str,
+    status: bool | None,
+    reason: str,
+    message: str,
+    generation: int,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """Conditions with one set; lastTransitionTime moves only when the status flips."""
+    value = "Unknown" if status is None else ("True" if status else "False")
+    out: list[dict[str, Any]] = []
+    found = False
+    for cond in conditions:
+        if cond.get("type") != type_:
+            out.append(dict(cond))
+            continue
+        found = True
+        flipped = cond.get("status") != value
+        out.append(
+            {
+                "type": type_,
+                "status": value,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": rfc3339(now)
+                if flipped
+                else cond.get("lastTransitionTime", rfc3339(now)),
+                "observedGeneration": generation,
+            }
+        )
+    if not found:
+        out.append(
+            {
+                "type": type_,
+                "status": value,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": rfc3339(now),
+                "observedGeneration": generation,
+            }
+        )
+    return out
+
+
+def condition_status(conditions: Iterable[Mapping[str, Any]], type_: str) -> str | None:
+    """The status string of one condition, or None when absent."""
+    for cond in conditions:
+        if cond.get("type") == type_:
+            return str(cond.get("status"))
+    return None
+
+
+@dataclass(frozen=True)
+class ClusterReadiness:
+    """Whether every planned Ray node is up, and if not, why."""
+
+    ready: bool
+    message: str
+
+
+def cluster_readiness(cluster: Mapping[str, Any], worker_pods: int) -> ClusterReadiness:
+    """Read a RayCluster's status: ready when the head and all planned workers are ready."""
+    status = cluster.get("status") or {}
+    conds = status.get("conditions") or []
+    head_ready = condition_status(conds, "HeadPodReady") == "True"
+    provisioned = (
+        condition_status(conds, "RayClusterProvisioned") == "True" or status.get("state") == "ready"
+    )
+    ready_workers = int(status.get("readyWorkerReplicas") or 0)
+    if head_ready and provisioned and ready_workers >= worker_pods:
+        return ClusterReadiness(True, f"head and {worker_pods} worker pod(s) ready")
+    head = "ready" if head_ready else "not ready"
+    return ClusterReadiness(
+        False, f"Ray head {head}, {ready_workers}/{worker_pods} worker pod(s) ready"
+    )
+
+
+def explain_pending(pods: Iterable[Mapping[str, Any]], gpus_per_pod: int, resource: str) -> str:
+    """Say in a user's words why Ray pods are not running, or '' when none is stuck."""
+    pods = list(pods)
+    unschedulable = []
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") != "Pending":
+            continue
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+                unschedulable.append(cond.get("message") or "unschedulable")
+    if not unschedulable:
+        return ""
+    return (
+        f"{len(unschedulable)} of {len(pods)} Ray pod(s) cannot be scheduled: "
+        f"{unschedulable[0]} Each pod needs {gpus_per_pod} {resource}; free GPUs, add GPU "
+        "nodes, or lower dataParallel.size, tensorParallelSize or gpu.perPod."
+    )
+
+
+class JobState(StrEnum):
+    """What a head RayJob is doing, as far as relaunch decisions go."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    FAILED = "Failed"
+    ENDED = "Ended"  # vllm serve exited 0: the engines are gone all the same
+
+
+def job_state(job: Mapping[str, Any]) -> JobState:
+    """Classify a RayJob from jobStatus and jobDeploymentStatus."""
+    status = job.get("status") or {}
+    deployment = status.get("jobDeploymentStatus")
+    ray_status = status.get("jobStatus")
+    if deployment in ("Failed", "ValidationFailed") or ray_status in ("FAILED", "STOPPED"):
+        return JobState.FAILED
+    if deployment == "Complete" or ray_status == "SUCCEEDED":
+        return JobState.ENDED
+    if ray_status == "RUNNING":
+        return JobState.RUNNING
+    return JobState.PENDING
+
+
+def job_failure_detail(job: Mapping[str, Any]) -> str:
+    """The reason KubeRay gives for a finished job, if any."""
+    status = job.get("status") or {}
+    parts = [
+        str(status[key])
+        for key in ("jobDeploymentStatus", "jobStatus", "reason", "message")
+        if status.get(key)
+    ]
+    return ", ".join(parts) or "no detail from KubeRay"
