@@ -1,0 +1,79 @@
+# vllm-dp-operator: every task a developer or CI runs. `make help` lists them.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST := $(BIN)/python -m pytest
+TESTBED := $(BIN)/python tests/testbed/testbed.py
+ENGINE_IMAGE ?= vllm-dp-engine:0.1.0
+OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
+EXAMPLE ?= examples/dp8-rpn4-tp1.yaml
+
+.PHONY: help venv lint crds crds-check test test-unit test-chart test-controlplane test-ray \
+        test-vllm-contract testbed-build testbed-up testbed-down dev dev-down bench-controlplane \
+        image engine-image e2e-kind
+
+help: ## List targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+venv: $(BIN)/python ## Create .venv and install the operator, the launcher and test tools
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,ray]' -e ./engine_image
+
+lint: ## ruff and mypy
+	$(BIN)/ruff check operator engine_image tests
+	$(BIN)/mypy operator/vllm_dp_operator engine_image/vllm_dp_launcher
+
+crds: ## Regenerate the CRD (crds/ and the chart) from the pydantic models
+	$(BIN)/python hack/gen_crds.py
+
+crds-check: ## Fail when the checked-in CRDs drift from the models
+	$(BIN)/python hack/gen_crds.py --check
+
+test: ## Every tier that runs on this machine: unit, chart, ray, controlplane (CI runs this)
+	$(PYTEST) -m "not vllm and not kind" tests
+
+test-unit: ## Pure tests only (seconds)
+	$(PYTEST) tests/unit
+
+test-chart: ## Helm lint, template, RBAC shape
+	$(PYTEST) tests/chart
+
+test-controlplane: ## Real kube-apiserver, etcd, scheduler, kwok GPU nodes and KubeRay
+	$(PYTEST) -m controlplane tests/controlplane
+
+test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
+	$(PYTEST) -m ray tests/ray
+
+test-vllm-contract: ## Opt-in: vLLM 0.33.0's own parser and placement against our plans (~9 GB)
+	$(PYTEST) -m vllm tests/vllm_contract
+
+testbed-build: ## Build (or reuse) the pinned control-plane binaries
+	$(TESTBED) build
+
+testbed-up: ## Start the control-plane test bed
+	$(TESTBED) up
+
+testbed-down: ## Stop the control-plane test bed
+	$(TESTBED) down
+
+dev: venv ## Test bed + operator + $(EXAMPLE), then show what it made (no GPU or Docker)
+	$(BIN)/python hack/dev.py up --example $(EXAMPLE)
+
+dev-down: ## Stop what `make dev` started
+	$(BIN)/python hack/dev.py down
+
+bench-controlplane: ## Apply N resources; p50/p99 to all children, operator RSS, API floor
+	$(BIN)/python bench/controlplane.py --count $${N:-100}
+
+image: ## Operator image (needs Docker)
+	docker build -t $(OPERATOR_IMAGE) .
+
+engine-image: ## Engine image: vLLM 0.33.0 + Ray 2.60.0 + launcher (needs Docker)
+	docker build -t $(ENGINE_IMAGE) engine_image
+
+e2e-kind: ## End to end on kind (needs Docker and kind)
+	$(PYTEST) -m kind tests/e2e

@@ -1,0 +1,89 @@
+"""Runs the operator as a real `kopf run` process against the test bed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vllm_dp_operator.crd import build_crd
+
+# Short timings so relaunch and resync scenarios finish in seconds.
+OPERATOR_ENV = {
+    "VLLMDP_HEALTH_PROBE": "apiserver-proxy",
+    "VLLMDP_RESYNC_SECONDS": "1",
+    "VLLMDP_BACKOFF_BASE_SECONDS": "2",
+    "VLLMDP_BACKOFF_CAP_SECONDS": "8",
+    "VLLMDP_HEALTH_TIMEOUT_SECONDS": "1",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class OperatorProcess:
+    """One `kopf run` child process, started and stopped by PID."""
+
+    def __init__(self, env: dict[str, str], log: Path, extra_env: dict[str, str] | None = None):
+        self.env = {**env, **OPERATOR_ENV, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        self.port = _free_port()
+        cmd = [
+            sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
+            f"--liveness=http://127.0.0.1:{self.port}/healthz",
+            "-m", "vllm_dp_operator.handlers",
+        ]  # fmt: skip
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"operator exited early:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"operator liveness never answered:\n{self.log_tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def install_crd(testbed: Any) -> None:
+    """Apply the CRD generated from the models and wait until the API serves it."""
+    testbed.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                    input=yaml.safe_dump(build_crd()))  # fmt: skip
+    testbed.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/vllmdataparallels.vllmdp.io")  # fmt: skip
