@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -87,12 +88,12 @@ def format_plan(resource: Resource, options: RenderOptions) -> str:
     ]
     rows = [("POD", "ROLE", "RANKS", "GPUS USED/REQUESTED")]
     rows += [
-        (str(p.index), p.role, p.ranks_text(), f"{p.gpus}/{plan.gpus_per_pod}")
-        for p in plan.pods
+        (str(p.index), p.role, p.ranks_text(), f"{p.gpus}/{plan.gpus_per_pod}") for p in plan.pods
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-              for r in rows]  # fmt: skip
+    lines += [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
     lines += ["", "command (on the head pod; the launcher adds --data-parallel-address):"]
     lines.append("  " + shlex.join(plan.command))
     lines.append("env:")
@@ -142,17 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_input(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "-f", "--filename", action="append", required=True, metavar="FILE",
+            "-f",
+            "--filename",
+            action="append",
+            required=True,
+            metavar="FILE",
             help="YAML or JSON file with one or more resources; '-' reads stdin (repeatable)",
-        )  # fmt: skip
+        )
         p.add_argument(
-            "--engine-image", default=defaults.default_image,
+            "--engine-image",
+            default=defaults.default_image,
             help="engine image for resources that name none (default: %(default)s)",
-        )  # fmt: skip
+        )
         p.add_argument(
-            "--socket-ifname", default=defaults.socket_ifname,
+            "--socket-ifname",
+            default=defaults.socket_ifname,
             help="NIC for Gloo and NCCL in every pod (default: %(default)s)",
-        )  # fmt: skip
+        )
 
     plan = sub.add_parser("plan", help="print the DP layout, command and env of each resource")
     add_input(plan)
@@ -172,7 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vllm-dp` command."""
     args = build_parser().parse_args(argv)
-    code: int = args.func(args, sys.stdout, sys.stderr)
+    try:
+        code: int = args.func(args, sys.stdout, sys.stderr)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `vllm-dp render ... | head`: the reader left early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
     return code
 
 

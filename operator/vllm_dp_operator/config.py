@@ -62,5 +62,5 @@ class Config:
         """Seconds to wait before relaunching after this many failures in a row."""
         if consecutive_failures <= 0:
             return 0.0
-        return min(self.backoff_base_seconds * 2 ** (consecutive_failures - 1),
+        return min(self.backoff_base_seconds * 2.0 ** (consecutive_failures - 1),
                    self.backoff_cap_seconds)

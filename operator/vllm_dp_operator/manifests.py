@@ -68,10 +68,14 @@ def render_resource(
     if not resource.spec.suspend:
         out.append(
             build_head_job(
-                resource.name, resource.namespace, resource.plan, cluster_name, FIRST_ATTEMPT,
+                resource.name,
+                resource.namespace,
+                resource.plan,
+                cluster_name,
+                FIRST_ATTEMPT,
                 owner,
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -97,8 +101,19 @@ def load_documents(text: str) -> list[dict[str, Any]]:
     return docs
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Writes an object shared by two places twice instead of as an &anchor and *alias."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def to_yaml(docs: Iterable[Mapping[str, Any]]) -> str:
     """A multi-document YAML stream in the builders' key order, long strings unfolded."""
-    return yaml.safe_dump_all(
-        [dict(d) for d in docs], sort_keys=False, width=1 << 16, explicit_start=True
+    return yaml.dump_all(
+        [dict(d) for d in docs],
+        Dumper=_PlainDumper,
+        sort_keys=False,
+        width=1 << 16,
+        explicit_start=True,
     )

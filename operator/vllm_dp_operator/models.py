@@ -199,7 +199,9 @@ class VLLMDataParallelSpec(ApiModel):
         default_factory=list,
         max_length=64,
         description="Tolerations for every Ray pod, added to one for the GPU resource taint.",
-        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+        json_schema_extra={
+            "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        },
     )
     affinity: dict[str, Any] | None = Field(
         default=None,

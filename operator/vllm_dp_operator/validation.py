@@ -59,7 +59,9 @@ def _flag(long: str, short: str | None = None) -> str:
 
 
 OWNED_FLAGS: tuple[OwnedFlag, ...] = (
-    OwnedFlag(_flag("--data-parallel-size", "-dp"), "--data-parallel-size", "spec.dataParallel.size"),
+    OwnedFlag(
+        _flag("--data-parallel-size", "-dp"), "--data-parallel-size", "spec.dataParallel.size"
+    ),
     OwnedFlag(
         _flag("--data-parallel-size-local", "-dpl"),
         "--data-parallel-size-local",

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 from fake_kube import FakeKube
-
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE

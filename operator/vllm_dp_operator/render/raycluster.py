@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from vllm_dp_operator import constants, names
@@ -57,7 +58,7 @@ def _head_ports(spec: VLLMDataParallelSpec) -> list[dict[str, Any]]:
 def _pod_template(
     instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions, head: bool
 ) -> dict[str, Any]:
-    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [
         # NCCL needs far more shared memory than the 64Mi container default.
         {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
@@ -99,7 +100,9 @@ def _pod_template(
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
     labels = names.instance_labels(instance, constants.COMPONENT_ENGINE)
-    return {"metadata": {"labels": labels}, "spec": pod}
+    # A copy per template: otherwise head and worker share the spec's own dicts (tolerations,
+    # affinity, valueFrom), and editing one manifest would edit the other and the spec.
+    return copy.deepcopy({"metadata": {"labels": labels}, "spec": pod})
 
 
 def _cluster_spec(

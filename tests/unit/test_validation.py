@@ -1,0 +1,360 @@
+"""Spec validation: one table of valid and invalid specs, each error pinned to field and rule."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from vllm_dp_operator import constants
+from vllm_dp_operator.models import VLLMDataParallelSpec
+from vllm_dp_operator.validation import OWNED_FLAGS, RESERVED_ENV, RULES, SpecError, validate
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+DELETE = object()  # patch marker: remove the key
+
+BASE: dict[str, Any] = {
+    "model": "Qwen/Qwen2.5-7B-Instruct",
+    "dataParallel": {"size": 4, "ranksPerNode": 2},
+}
+SPAN: dict[str, Any] = {
+    "dataParallel": {"size": 2, "ranksPerNode": 1, "packStrategy": "span"},
+    "tensorParallelSize": 16,
+    "gpu": {"perPod": 8},
+}
+
+
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `patch` into a copy of `base`; DELETE removes a key."""
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is DELETE:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def dp(size: int, per_node: int, strategy: str = "strict") -> dict[str, Any]:
+    return {"dataParallel": {"size": size, "ranksPerNode": per_node, "packStrategy": strategy}}
+
+
+def env(*items: dict[str, Any]) -> dict[str, Any]:
+    return {"env": list(items)}
+
+
+def args(*flags: str) -> dict[str, Any]:
+    return {"engineArgs": list(flags)}
+
+
+VALID: list[Any] = [
+    pytest.param({}, id="base"),
+    pytest.param({"tensorParallelSize": 2}, id="tp2-default-per-pod"),
+    pytest.param(dp(5, 2, "fill"), id="fill-partial-last-pod"),
+    pytest.param(merge(dp(6, 2, "fill"), {"gpu": {"perPod": 4}}), id="fill-bigger-workers"),
+    pytest.param(dp(2, 2), id="single-pod"),
+    pytest.param(SPAN, id="span-two-pods-per-rank"),
+    pytest.param(merge(SPAN, {"tensorParallelSize": 8}), id="span-one-pod-per-rank"),
+    pytest.param({"gpu": {"perPod": 8}}, id="per-pod-larger-than-needed"),
+    pytest.param(dp(1024, 64), id="largest-dp"),
+    pytest.param({"service": {"port": 8080, "type": "NodePort"}}, id="other-port"),
+    pytest.param(
+        args(
+            "--max-model-len",
+            "8192",
+            "--model-loader-extra-config={}",
+            "--data-parallel-hybrid-lb",
+            "--enable-expert-parallel",
+            "--hosts-file",
+        ),
+        id="unowned-flags-sharing-a-prefix",
+    ),
+    pytest.param(
+        env(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+            {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"},
+            {"name": "EMPTY"},
+        ),
+        id="hf-token-from-secret",
+    ),
+    pytest.param(
+        {
+            "modelCache": {"claimName": "hf", "readOnly": True},
+            "hfTokenSecretRef": {"name": "hf", "key": "token"},
+            "tolerations": [{"key": "a", "operator": "Exists"}],
+            "affinity": {"nodeAffinity": {}},
+            "nodeSelector": {"pool": "gpu"},
+            "resources": {"cpu": "500m", "memory": "1.5Gi"},
+            "shmSize": "1e9",
+        },
+        id="every-pod-option",
+    ),
+]
+
+
+@pytest.mark.parametrize("patch", VALID)
+def test_valid_spec(patch: dict[str, Any]) -> None:
+    spec = validate("ok", merge(BASE, patch))
+    assert isinstance(spec, VLLMDataParallelSpec)
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_examples_are_valid(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    assert len(doc["metadata"]["name"]) <= constants.MAX_NAME_LENGTH
+    validate(doc["metadata"]["name"], doc["spec"])
+
+
+def test_name_of_max_length_is_valid() -> None:
+    validate("n" * constants.MAX_NAME_LENGTH, BASE)
+
+
+OWNED_CASES = [
+    pytest.param(
+        args(arg),
+        "spec.engineArgs",
+        f"must not set {flag}, which the operator owns",
+        id=f"owned{flag}",
+    )
+    for arg, flag in [
+        ("--data-parallel-size=4", "--data-parallel-size"),
+        ("-dpl", "--data-parallel-size-local"),
+        ("--data_parallel_address=10.0.0.1", "--data-parallel-address"),
+        ("-dpb", "--data-parallel-backend"),
+        ("--distributed-executor-backend=mp", "--distributed-executor-backend"),
+        ("-tp", "--tensor-parallel-size"),
+        ("--port=9000", "--port"),
+        ("--host", "--host"),
+        ("-asc", "--api-server-count"),
+        ("--model=other", "--model"),
+        ("--served_model_name", "--served-model-name"),
+        ("--nnodes=2", "--nnodes"),
+        ("-dpp", "--data-parallel-rpc-port"),
+    ]
+]
+
+RESERVED_CASES = [
+    pytest.param(
+        env({"name": name, "value": "x"}), "spec.env", f"{name} (use ", id=f"reserved-env-{name}"
+    )
+    for name in RESERVED_ENV
+]
+
+INVALID: list[Any] = [
+    # Cross-field rules (validation.RULES).
+    pytest.param(dp(1, 1), "spec.dataParallel.size", "must be at least 2", id="dp1"),
+    pytest.param(
+        dp(4, 0),
+        "spec.dataParallel.ranksPerNode",
+        "must be at least 1: vllm serve",
+        id="cpu-only-head",
+    ),
+    pytest.param(
+        dp(2, 4),
+        "spec.dataParallel.ranksPerNode",
+        "must not exceed dataParallel.size",
+        id="ranks-per-node-above-size",
+    ),
+    pytest.param(
+        dp(6, 4),
+        "spec.dataParallel.size",
+        "must be a multiple of dataParallel.ranksPerNode with packStrategy strict",
+        id="strict-partial-pod",
+    ),
+    pytest.param(
+        {"tensorParallelSize": 2, "gpu": {"perPod": 2}},
+        "spec.gpu.perPod",
+        "must be at least dataParallel.ranksPerNode x tensorParallelSize",
+        id="per-pod-below-head-need",
+    ),
+    pytest.param(
+        merge(SPAN, dp(2, 2, "span")),
+        "spec.dataParallel.ranksPerNode",
+        "must be 1 with packStrategy span",
+        id="span-two-ranks-per-node",
+    ),
+    pytest.param(
+        merge(SPAN, {"gpu": {"perPod": DELETE}}),
+        "spec.gpu.perPod",
+        "is required with packStrategy span",
+        id="span-without-per-pod",
+    ),
+    pytest.param(
+        merge(SPAN, {"tensorParallelSize": 12}),
+        "spec.tensorParallelSize",
+        "must be a multiple of gpu.perPod with packStrategy span",
+        id="span-tp12-per-pod8",
+    ),
+    pytest.param(
+        merge(SPAN, {"tensorParallelSize": 4}),
+        "spec.tensorParallelSize",
+        "must be a multiple of gpu.perPod",
+        id="span-tp-below-per-pod",
+    ),
+    *[
+        pytest.param(
+            {"service": {"port": port}},
+            "spec.service.port",
+            "the Ray head pod uses those ports",
+            id=f"ray-port-{port}",
+        )
+        for port in constants.RAY_RESERVED_PORTS
+    ],
+    *OWNED_CASES,
+    *RESERVED_CASES,
+    pytest.param(
+        env({"name": "HF_TOKEN", "value": "hf_x"}),
+        "spec.env",
+        "must not hold HF_TOKEN as a literal value; use hfTokenSecretRef",
+        id="hf-token-literal",
+    ),
+    pytest.param(
+        env({"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}),
+        "spec.env",
+        "takes value or valueFrom, not both",
+        id="value-and-value-from",
+    ),
+    pytest.param(
+        env({"name": "A", "value": "1"}, {"name": "A", "value": "2"}),
+        "spec.env",
+        "must not name a variable twice",
+        id="duplicate-env",
+    ),
+    # Schema-level (pydantic) errors, the same the API server's OpenAPI check reports.
+    pytest.param({"model": DELETE}, "spec.model", "Field required", id="missing-model"),
+    pytest.param({"model": ""}, "spec.model", "at least 1 character", id="empty-model"),
+    pytest.param(
+        {"dataParallel": DELETE}, "spec.dataParallel", "Field required", id="missing-data-parallel"
+    ),
+    pytest.param(
+        {"replicas": 3}, "spec.replicas", "Extra inputs are not permitted", id="unknown-field"
+    ),
+    pytest.param(
+        {"dataParallel": {"nodes": 2}},
+        "spec.dataParallel.nodes",
+        "Extra inputs are not permitted",
+        id="unknown-nested-field",
+    ),
+    pytest.param(
+        {"resources": {"memory": "12GB"}},
+        "spec.resources.memory",
+        "should match pattern",
+        id="bad-memory-quantity",
+    ),
+    pytest.param(
+        {"shmSize": "lots"}, "spec.shmSize", "should match pattern", id="bad-shm-quantity"
+    ),
+    pytest.param(
+        {"dataParallel": {"packStrategy": "round-robin"}},
+        "spec.dataParallel.packStrategy",
+        "'strict', 'fill' or 'span'",
+        id="unknown-pack-strategy",
+    ),
+    pytest.param(
+        {"tensorParallelSize": 0}, "spec.tensorParallelSize", "greater than or equal to 1", id="tp0"
+    ),
+    pytest.param(
+        {"dataParallel": {"size": "eight"}},
+        "spec.dataParallel.size",
+        "valid integer",
+        id="dp-not-an-integer",
+    ),
+    pytest.param(
+        env({"name": "1BAD", "value": "x"}),
+        "spec.env[0].name",
+        "should match pattern",
+        id="bad-env-name",
+    ),
+    pytest.param(
+        {"modelCache": {"claimName": "c", "mountPath": "cache"}},
+        "spec.modelCache.mountPath",
+        "should match pattern",
+        id="relative-mount-path",
+    ),
+    pytest.param(
+        {"service": {"type": "ExternalName"}},
+        "spec.service.type",
+        "'ClusterIP', 'NodePort' or 'LoadBalancer'",
+        id="bad-service-type",
+    ),
+    pytest.param(
+        {"service": {"port": 70000}},
+        "spec.service.port",
+        "less than or equal to 65535",
+        id="port-out-of-range",
+    ),
+    pytest.param(
+        {"gpu": {"perPod": 0}}, "spec.gpu.perPod", "greater than or equal to 1", id="per-pod-zero"
+    ),
+]
+
+
+@pytest.mark.parametrize(("patch", "path", "fragment"), INVALID)
+def test_invalid_spec(patch: dict[str, Any], path: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as info:
+        validate("bad", merge(BASE, patch))
+    found = [(e.path, e.message) for e in info.value.errors]
+    assert any(p == path and fragment in m for p, m in found), found
+    # Every error names a field under spec (the name here is valid).
+    assert all(p.startswith("spec.") for p, _ in found), found
+
+
+def test_name_too_long() -> None:
+    with pytest.raises(SpecError) as info:
+        validate("n" * (constants.MAX_NAME_LENGTH + 1), BASE)
+    [error] = info.value.errors
+    assert error.path == "metadata.name"
+    assert f"at most {constants.MAX_NAME_LENGTH} characters" in error.message
+
+
+def test_name_error_reported_with_spec_errors() -> None:
+    with pytest.raises(SpecError) as info:
+        validate("n" * 64, merge(BASE, {"model": DELETE}))
+    assert [e.path for e in info.value.errors] == ["metadata.name", "spec.model"]
+
+
+def test_empty_spec_names_required_fields() -> None:
+    with pytest.raises(SpecError) as info:
+        validate("x", None)
+    assert {e.path for e in info.value.errors} == {"spec.model", "spec.dataParallel"}
+
+
+def test_every_broken_rule_reported_in_table_order() -> None:
+    raw = merge(BASE, {**dp(1, 0), **args("--port=1"), **{"service": {"port": 6379}}})
+    with pytest.raises(SpecError) as info:
+        validate("x", raw)
+    paths = [e.path for e in info.value.errors]
+    assert paths == [
+        "spec.dataParallel.size",
+        "spec.dataParallel.ranksPerNode",
+        "spec.service.port",
+        "spec.engineArgs",
+    ]
+    assert "; " in str(info.value)  # one message naming every field
+
+
+def test_every_rule_is_exercised_by_an_invalid_case() -> None:
+    broken: set[int] = set()
+    for case in INVALID:
+        try:
+            spec = VLLMDataParallelSpec.model_validate(merge(BASE, case.values[0]))
+        except ValueError:
+            continue  # a schema-level case
+        broken |= {i for i, rule in enumerate(RULES) if not rule.holds(spec)}
+    missing = [
+        f"{RULES[i].field}: {RULES[i].message}" for i in range(len(RULES)) if i not in broken
+    ]
+    assert not missing, missing
+
+
+def test_every_owned_flag_has_a_case() -> None:
+    tested = {case.id for case in OWNED_CASES}
+    assert tested == {f"owned{f.flag}" for f in OWNED_FLAGS}
+
+
+def test_table_has_thirty_cases_at_least() -> None:
+    assert len(VALID) + len(INVALID) >= 30
