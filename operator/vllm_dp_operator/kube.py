@@ -72,7 +72,7 @@ class ApiKube:
     async def connect(cls) -> ApiKube:
         """Load in-cluster credentials, else the kubeconfig, and build a client."""
         try:
-            config.load_incluster_config()
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
             await config.load_kube_config()
         return cls(client.ApiClient())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -130,10 +131,9 @@ def _label(obj: Mapping[str, Any], key: str) -> str | None:
 
 
 async def _create(kube: Kube, kind: Any, body: dict[str, Any]) -> None:
-    try:
+    # Already there means an earlier, interrupted reconcile made it: converge, don't duplicate.
+    with contextlib.suppress(AlreadyExists):
         await kube.create(kind, body["metadata"]["namespace"], body)
-    except AlreadyExists:
-        pass  # made by an earlier, interrupted reconcile: converging, not duplicating
 
 
 async def _ensure_service(kube: Kube, desired: dict[str, Any]) -> None:
@@ -229,8 +229,9 @@ async def reconcile(
         endpoint=names.endpoint(res.name, res.namespace, spec.service.port),
     )
     ns = res.namespace
-    clusters = await kube.list(RAYCLUSTER, ns, names.instance_selector(res.name, c.COMPONENT_ENGINE))
-    jobs = await kube.list(RAYJOB, ns, names.instance_selector(res.name, c.COMPONENT_HEAD_JOB))
+    engine, head_job = c.COMPONENT_ENGINE, c.COMPONENT_HEAD_JOB
+    clusters = await kube.list(RAYCLUSTER, ns, names.instance_selector(res.name, engine))
+    jobs = await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job))
     await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner))
     cluster = await _ensure_cluster(kube, desired, clusters, st)
 
