@@ -1,0 +1,287 @@
+"""Render the operator's Helm chart and read its RBAC; shared by the chart, control-plane and
+kind tiers (they load this file by path: the test folders are not packages).
+
+The chart declares the KubeRay operator chart as an optional dependency (`kuberay.enabled`,
+off by default). Helm 3.22 refuses `helm template`/`install` while a declared dependency is
+missing from `charts/`, even when its condition is false ("found in Chart.yaml, but missing in
+charts/ directory"), and only warns in `helm lint`. Fetching it needs the internet, which the
+test machines lack. So, unless the dependency has been vendored with `helm dependency build`,
+`renderable_chart()` renders a temporary copy whose Chart.yaml omits that one disabled
+dependency. That is output-identical: a dependency whose condition is false contributes no
+manifests and no values to the parent. The copy is refused (DependencyUnavailable) whenever
+the values in play turn `kuberay.enabled` on, so nothing is ever silently rendered without it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "vllm-dp-operator"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+ENSURE_HELM = REPO / "tests" / "chart" / "ensure_helm.sh"
+KUBERAY_DEPENDENCY = "kuberay-operator"
+DEFAULT_RELEASE = "vdp"
+DEFAULT_NAMESPACE = "vllm-dp-system"
+
+
+class HelmUnavailable(RuntimeError):
+    """The helm binary could not be found or built."""
+
+
+class DependencyUnavailable(RuntimeError):
+    """The values enable the KubeRay subchart, but it has not been vendored."""
+
+
+def helm_binary() -> str:
+    """Path to helm: $VLLMDP_HELM if set, else the cached build from ensure_helm.sh."""
+    override = os.environ.get("VLLMDP_HELM")
+    if override:
+        return override
+    try:
+        proc = subprocess.run(
+            ["bash", str(ENSURE_HELM)], capture_output=True, text=True, timeout=1800, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HelmUnavailable(f"{ENSURE_HELM} did not run: {exc}") from exc
+    if proc.returncode != 0:
+        raise HelmUnavailable(
+            f"{ENSURE_HELM} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def dependency_vendored() -> bool:
+    """True when `helm dependency build` has put the KubeRay chart archive under charts/."""
+    return any((CHART / "charts").glob(f"{KUBERAY_DEPENDENCY}-*.tgz"))
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def kuberay_enabled(values_files: Iterable[Path], set_values: Iterable[str]) -> bool:
+    """Whether these values turn the KubeRay subchart on (how helm would merge them)."""
+    values: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text()) or {}
+    for path in values_files:
+        values = _deep_merge(values, yaml.safe_load(Path(path).read_text()) or {})
+    enabled = bool((values.get("kuberay") or {}).get("enabled", False))
+    for item in set_values:
+        key, _, raw = item.partition("=")
+        if key.strip() == "kuberay.enabled":
+            enabled = raw.strip().lower() == "true"
+    return enabled
+
+
+_stripped_copy: Path | None = None
+
+
+def _chart_without_kuberay() -> Path:
+    global _stripped_copy
+    if _stripped_copy is None:
+        root = Path(tempfile.mkdtemp(prefix="vllmdp-chart-"))
+        atexit.register(shutil.rmtree, root, True)
+        copy = root / CHART.name
+        shutil.copytree(CHART, copy, ignore=shutil.ignore_patterns("charts", "Chart.lock"))
+        meta = yaml.safe_load((copy / "Chart.yaml").read_text())
+        deps = meta.get("dependencies") or []
+        ours = [d for d in deps if d.get("name") == KUBERAY_DEPENDENCY]
+        # Only a disabled-by-condition dependency may be dropped; anything else is a chart change
+        # this helper must not paper over.
+        assert len(ours) == 1 and ours[0].get("condition") == "kuberay.enabled", ours
+        meta["dependencies"] = [d for d in deps if d.get("name") != KUBERAY_DEPENDENCY]
+        if not meta["dependencies"]:
+            del meta["dependencies"]
+        (copy / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
+        _stripped_copy = copy
+    return _stripped_copy
+
+
+def renderable_chart(
+    values_files: Sequence[Path] = (), set_values: Sequence[str] = ()
+) -> Path:
+    """The chart directory helm can render for these values (see the module docstring)."""
+    if dependency_vendored():
+        return CHART
+    if kuberay_enabled(values_files, set_values):
+        raise DependencyUnavailable(
+            "kuberay.enabled=true needs the kuberay-operator chart: run "
+            "`helm dependency build charts/vllm-dp-operator` (network access) first"
+        )
+    return _chart_without_kuberay()
+
+
+def helm(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run helm; raise AssertionError with its output on failure when `check`."""
+    proc = subprocess.run(
+        [helm_binary(), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed (rc={proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def template_args(
+    values_files: Sequence[Path] = (),
+    set_values: Sequence[str] = (),
+    release: str = DEFAULT_RELEASE,
+    namespace: str = DEFAULT_NAMESPACE,
+) -> list[str]:
+    """Arguments after `helm template` / `helm install` for a chart, values and release."""
+    args = [release, str(renderable_chart(values_files, set_values)), f"--namespace={namespace}"]
+    args += [f"--values={p}" for p in values_files]
+    args += [f"--set={s}" for s in set_values]
+    return args
+
+
+def render(
+    values_files: Sequence[Path] = (),
+    set_values: Sequence[str] = (),
+    release: str = DEFAULT_RELEASE,
+    namespace: str = DEFAULT_NAMESPACE,
+    include_crds: bool = False,
+) -> list[dict[str, Any]]:
+    """`helm template` the chart and return its objects (CRDs only when asked)."""
+    extra = ["--include-crds"] if include_crds else []
+    out = helm("template", *template_args(values_files, set_values, release, namespace), *extra)
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def by_kind(objects: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o.get("kind") == kind]
+
+
+# --- RBAC --------------------------------------------------------------------------------
+
+RBAC_KINDS = ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One (apiGroup, resource, verb) a rendered Role/ClusterRole allows, and where."""
+
+    group: str
+    resource: str
+    verb: str
+    kind: str  # "ClusterRole" or "Role"
+    namespace: str | None  # the Role's namespace; None for a ClusterRole
+
+
+def grants(objects: Iterable[dict[str, Any]]) -> set[Grant]:
+    """Expand every rule of every rendered Role/ClusterRole into single grants."""
+    out: set[Grant] = set()
+    for obj in objects:
+        if obj.get("kind") not in ("ClusterRole", "Role"):
+            continue
+        ns = obj["metadata"].get("namespace") if obj["kind"] == "Role" else None
+        for rule in obj.get("rules") or []:
+            assert not rule.get("nonResourceURLs"), f"nonResourceURLs granted: {rule}"
+            assert not rule.get("resourceNames"), f"resourceNames are not expected: {rule}"
+            for group in rule.get("apiGroups") or []:
+                for resource in rule.get("resources") or []:
+                    for verb in rule.get("verbs") or []:
+                        out.add(Grant(group, resource, verb, obj["kind"], ns))
+    return out
+
+
+def rbac_objects(objects: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ServiceAccount, roles and bindings among rendered objects."""
+    return [o for o in objects if o.get("kind") in RBAC_KINDS]
+
+
+def sa_kubeconfig(path: Path, admin_kubeconfig: Path, token: str, name: str = "operator") -> Path:
+    """Write a kubeconfig that reaches the same cluster as `admin_kubeconfig` (its current
+    context's server and CA) but authenticates with a ServiceAccount token; return its path.
+    Used to run kubectl, or the operator itself, with exactly the chart's permissions."""
+    admin = yaml.safe_load(Path(admin_kubeconfig).read_text())
+    current = admin.get("current-context")
+    contexts = {c["name"]: c["context"] for c in admin.get("contexts") or []}
+    cluster_name = (
+        contexts[current]["cluster"] if current in contexts else admin["clusters"][0]["name"]
+    )
+    cluster = next(c["cluster"] for c in admin["clusters"] if c["name"] == cluster_name)
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": name, "cluster": dict(cluster)}],
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+        "current-context": name,
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+# --- Applying the chart's identity to a real cluster (control-plane and kind tiers) ------
+
+Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@dataclass(frozen=True)
+class OperatorIdentity:
+    """The chart's ServiceAccount and RBAC, applied to a cluster."""
+
+    release: str
+    namespace: str  # release namespace: where the ServiceAccount lives
+    service_account: str
+    objects: tuple[dict[str, Any], ...]
+
+    @property
+    def username(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+
+def apply_operator_identity(
+    kubectl: Kubectl,
+    release: str,
+    namespace: str,
+    values_files: Sequence[Path] = (),
+    set_values: Sequence[str] = (),
+) -> OperatorIdentity:
+    """Render the chart and apply only its ServiceAccount, Roles and bindings.
+
+    `kubectl(*args, input=...)` runs kubectl as an administrator (e.g. `testbed.kubectl`).
+    """
+    objects = rbac_objects(render(values_files, set_values, release, namespace))
+    (sa,) = by_kind(objects, "ServiceAccount")
+    kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    return OperatorIdentity(release, namespace, sa["metadata"]["name"], tuple(objects))
+
+
+def delete_operator_identity(kubectl: Kubectl, identity: OperatorIdentity) -> None:
+    """Delete what apply_operator_identity created (cluster-scoped objects included)."""
+    kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+            input=yaml.safe_dump_all(list(identity.objects)))
+
+
+def operator_kubeconfig(
+    kubectl: Kubectl,
+    identity: OperatorIdentity,
+    admin_kubeconfig: Path,
+    path: Path,
+    duration: str = "2h",
+) -> Path:
+    """Mint a token for the chart's ServiceAccount (`kubectl create token`) and write a
+    kubeconfig that uses it: run kubectl, or the operator (KUBECONFIG=<path>), with exactly
+    the chart's permissions."""
+    token = kubectl("create", "token", identity.service_account, "-n", identity.namespace,
+                    f"--duration={duration}").stdout.strip()
+    return sa_kubeconfig(path, admin_kubeconfig, token)

@@ -1,0 +1,147 @@
+"""Shape of the rendered operator Deployment: one replica, hardened pod, kopf command line
+and the VLLMDP_* settings the operator reads (vllm_dp_operator.config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import chartlib
+import pytest
+import yaml
+
+CI = {p.stem: p for p in chartlib.CI_VALUES}
+KOPF_ARGS = ["run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz",
+             "-m", "vllm_dp_operator.handlers"]
+ENV_NAMES = ["VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME", "VLLMDP_HEALTH_PROBE",
+             "VLLMDP_HEALTH_TIMEOUT_SECONDS", "VLLMDP_RESYNC_SECONDS",
+             "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACE"]
+
+
+def _deployment(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> dict[str, Any]:
+    (dep,) = chartlib.by_kind(chartlib.render(values, set_values), "Deployment")
+    return dep
+
+
+def _container(dep: dict[str, Any]) -> dict[str, Any]:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert isinstance(c, dict)
+    return c
+
+
+def _env(dep: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in _container(dep)["env"]}
+
+
+def test_single_replica_recreate(helm_bin: str) -> None:
+    spec = _deployment()["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+
+
+def test_liveness_probe_on_kopf_health_endpoint(helm_bin: str) -> None:
+    c = _container(_deployment())
+    probe = c["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/healthz"
+    port = probe["port"]
+    assert port == 8080 or {"name": port, "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"]
+
+
+def test_hardened_security_context(helm_bin: str) -> None:
+    dep = _deployment()
+    pod = dep["spec"]["template"]["spec"]
+    c = _container(dep)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert pod["enableServiceLinks"] is False
+
+
+def test_platform_may_choose_uid(helm_bin: str) -> None:
+    pod = _deployment((CI["single-namespace-cluster-role-values"],))["spec"]["template"]["spec"]
+    assert "runAsUser" not in pod["securityContext"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_only_the_operator_pod_mounts_the_token(helm_bin: str) -> None:
+    objects = chartlib.render()
+    (sa,) = chartlib.by_kind(objects, "ServiceAccount")
+    (dep,) = chartlib.by_kind(objects, "Deployment")
+    assert sa["automountServiceAccountToken"] is False
+    assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+
+
+def test_cluster_wide_command_line_and_env(helm_bin: str) -> None:
+    dep = _deployment()
+    c = _container(dep)
+    assert c["command"] == ["kopf"]
+    assert c["args"] == [*KOPF_ARGS, "--all-namespaces"]
+    env = _env(dep)
+    assert list(env) == ENV_NAMES
+    assert env["VLLMDP_WATCH_NAMESPACE"] == ""
+    assert env["VLLMDP_HEALTH_PROBE"] == "service-dns"
+    assert c["image"] == "vllm-dp-operator:0.1.0"
+
+
+@pytest.mark.parametrize(
+    ("values", "namespace"),
+    [("namespace-scope-values", "llm-serving"),
+     ("namespace-scope-no-observation-values", chartlib.DEFAULT_NAMESPACE),
+     ("single-namespace-cluster-role-values", "llm-serving")],
+)
+def test_single_namespace_command_line(helm_bin: str, values: str, namespace: str) -> None:
+    dep = _deployment((CI[values],))
+    args = _container(dep)["args"]
+    assert args[: len(KOPF_ARGS)] == KOPF_ARGS
+    assert f"--namespace={namespace}" in args and "--all-namespaces" not in args
+    assert _env(dep)["VLLMDP_WATCH_NAMESPACE"] == namespace
+
+
+def test_values_reach_the_environment(helm_bin: str, tmp_path: Path) -> None:
+    # A values file, not --set: --set turns 1.5 into a string, which the schema rejects.
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "engineImage": "registry.example.com/engine:1",
+        "healthProbe": {"mode": "off", "timeoutSeconds": 1.5},
+        "resyncSeconds": 30, "backoff": {"baseSeconds": 2, "capSeconds": 64},
+        "socketIfname": "ens5"}))
+    env = _env(_deployment((values,)))
+    assert env["VLLMDP_ENGINE_IMAGE"] == "registry.example.com/engine:1"
+    assert env["VLLMDP_HEALTH_PROBE"] == "off"
+    assert env["VLLMDP_RESYNC_SECONDS"] == "30"
+    assert env["VLLMDP_BACKOFF_BASE_SECONDS"] == "2"
+    assert env["VLLMDP_BACKOFF_CAP_SECONDS"] == "64"
+    assert env["VLLMDP_HEALTH_TIMEOUT_SECONDS"] == "1.5"
+    assert env["VLLMDP_SOCKET_IFNAME"] == "ens5"
+
+
+def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
+    # The chart should not silently change the operator's documented defaults.
+    config = pytest.importorskip("vllm_dp_operator.config")
+    defaults = config.Config()
+    env = _env(_deployment())
+    assert env["VLLMDP_ENGINE_IMAGE"] == defaults.render.default_image
+    assert env["VLLMDP_SOCKET_IFNAME"] == defaults.render.socket_ifname
+    assert env["VLLMDP_HEALTH_PROBE"] == defaults.health_probe
+    assert float(env["VLLMDP_RESYNC_SECONDS"]) == defaults.resync_seconds
+    assert float(env["VLLMDP_BACKOFF_BASE_SECONDS"]) == defaults.backoff_base_seconds
+    assert float(env["VLLMDP_BACKOFF_CAP_SECONDS"]) == defaults.backoff_cap_seconds
+    assert float(env["VLLMDP_HEALTH_TIMEOUT_SECONDS"]) == defaults.health_timeout_seconds
+
+
+def test_image_and_pull_settings(helm_bin: str) -> None:
+    dep = _deployment((CI["single-namespace-cluster-role-values"],))
+    c = _container(dep)
+    assert c["image"] == "registry.example.com/vllm-dp-operator:0.1.0-rc1"
+    assert c["imagePullPolicy"] == "Always"
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert c["args"][-1] == "--verbose"
+    assert {"name": "PYTHONASYNCIODEBUG", "value": "0"} in c["env"]

@@ -1,0 +1,140 @@
+"""Least privilege of the rendered RBAC, for every values file.
+
+REQUIRED lists what the operator and kopf use; the test fails if any of it disappears.
+ALLOWED_EXTRA lists what only some values switch on. Anything else rendered (a new verb, a
+wildcard, any Secret access) fails too: widening the RBAC means changing this file on purpose.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import chartlib
+import pytest
+from chartlib import Grant
+
+# (apiGroup, resource, verb) the operator's own code uses, in the watched namespace(s).
+REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
+    [("vllmdp.io", "vllmdataparallels", v) for v in ("get", "list", "watch", "patch")]
+    + [("vllmdp.io", "vllmdataparallels/status", v) for v in ("get", "patch")]
+    + [
+        ("ray.io", r, v)
+        for r in ("rayclusters", "rayjobs")
+        for v in ("get", "list", "watch", "create", "patch", "delete")
+    ]
+    + [("", "services", v) for v in ("get", "list", "watch", "create", "patch", "delete")]
+    + [("", "pods", v) for v in ("get", "list", "watch")]
+    + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]
+)
+# kopf 1.45 (kopf/_core/reactor/observation.py): watches CRDs always; lists/watches Namespaces
+# only in --namespace mode. Cluster-scoped, read-only; switched by rbac.frameworkObservation.
+KOPF_CRDS: frozenset[tuple[str, str, str]] = frozenset(
+    ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")
+)
+KOPF_NAMESPACES: frozenset[tuple[str, str, str]] = frozenset(
+    ("", "namespaces", v) for v in ("list", "watch")
+)
+PROXY: frozenset[tuple[str, str, str]] = frozenset({("", "services/proxy", "get")})
+
+FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection", "update"}
+FORBIDDEN_RESOURCES = {"*", "secrets", "pods/exec", "pods/attach", "pods/portforward",
+                       "serviceaccounts/token", "nodes", "configmaps"}
+
+CI = {p.stem: p for p in chartlib.CI_VALUES}
+CASES = [pytest.param((), id="defaults")] + [pytest.param((p,), id=p.stem) for p in CI.values()]
+
+
+def _triples(gs: set[Grant]) -> set[tuple[str, str, str]]:
+    return {(g.group, g.resource, g.verb) for g in gs}
+
+
+def _render(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> set[Grant]:
+    return chartlib.grants(chartlib.render(values, set_values))
+
+
+@pytest.mark.parametrize("values", CASES)
+def test_no_wildcards_no_secrets_no_escalation(helm_bin: str, values: tuple[Path, ...]) -> None:
+    for g in _render(values):
+        assert "*" not in (g.group, g.resource, g.verb), g
+        assert g.verb not in FORBIDDEN_VERBS, g
+        assert g.resource not in FORBIDDEN_RESOURCES, g
+        assert g.group not in ("rbac.authorization.k8s.io", "apps", "batch"), g
+
+
+@pytest.mark.parametrize("values", CASES)
+def test_required_permissions_present(helm_bin: str, values: tuple[Path, ...]) -> None:
+    missing = REQUIRED - _triples(_render(values))
+    assert not missing, f"missing permissions: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("values", CASES)
+def test_nothing_beyond_the_known_lists(helm_bin: str, values: tuple[Path, ...]) -> None:
+    extra = _triples(_render(values)) - REQUIRED - KOPF_CRDS - KOPF_NAMESPACES - PROXY
+    assert not extra, f"permissions not in this test's lists: {sorted(extra)}"
+
+
+def test_default_is_cluster_role_without_proxy_or_namespaces(helm_bin: str) -> None:
+    objects = chartlib.render()
+    assert {o["kind"] for o in chartlib.rbac_objects(objects)} == {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+    triples = _triples(chartlib.grants(objects))
+    assert triples >= KOPF_CRDS
+    assert not (PROXY & triples), "services/proxy must be granted only for apiserver-proxy"
+    # --all-namespaces: kopf never lists namespaces, so neither may the operator.
+    assert not (KOPF_NAMESPACES & triples)
+
+
+def test_apiserver_proxy_adds_only_services_proxy_get(helm_bin: str) -> None:
+    base = _triples(_render())
+    proxy = _triples(_render((CI["apiserver-proxy-values"],)))
+    assert proxy - base == PROXY
+    assert base - proxy == set()
+
+
+def test_namespace_scope_is_role_in_watched_namespace(helm_bin: str) -> None:
+    objects = chartlib.render((CI["namespace-scope-values"],))
+    gs = chartlib.grants(objects)
+    namespaced = {g for g in gs if g.kind == "Role"}
+    assert {g.namespace for g in namespaced} == {"llm-serving"}
+    assert _triples(namespaced) == REQUIRED
+    # What stays cluster-wide is kopf's read-only observation, nothing of the operator's own.
+    assert _triples({g for g in gs if g.kind == "ClusterRole"}) == KOPF_CRDS | KOPF_NAMESPACES
+    binding = chartlib.by_kind(objects, "RoleBinding")[0]
+    assert binding["metadata"]["namespace"] == "llm-serving"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "vdp-vllm-dp-operator",
+                                    "namespace": chartlib.DEFAULT_NAMESPACE}]
+
+
+def test_namespace_scope_without_observation_has_no_cluster_rbac(helm_bin: str) -> None:
+    objects = chartlib.render((CI["namespace-scope-no-observation-values"],))
+    kinds = {o["kind"] for o in chartlib.rbac_objects(objects)}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding"}
+    # An empty watchNamespace with namespace scope means the release namespace.
+    roles = chartlib.by_kind(objects, "Role")
+    assert roles[0]["metadata"]["namespace"] == chartlib.DEFAULT_NAMESPACE
+
+
+def test_single_namespace_cluster_role_observes_namespaces(helm_bin: str) -> None:
+    triples = _triples(_render((CI["single-namespace-cluster-role-values"],)))
+    assert triples >= KOPF_NAMESPACES
+
+
+def test_rbac_create_false_renders_no_rbac(helm_bin: str) -> None:
+    objects = chartlib.render(set_values=("rbac.create=false",))
+    assert not chartlib.grants(objects)
+    assert not [o for o in objects if o["kind"].endswith("Binding")]
+
+
+def test_bindings_point_at_the_chart_service_account(helm_bin: str) -> None:
+    for values in [(), (CI["namespace-scope-values"],)]:
+        objects = chartlib.render(values)
+        sa = chartlib.by_kind(objects, "ServiceAccount")[0]["metadata"]["name"]
+        deployment = chartlib.by_kind(objects, "Deployment")[0]
+        assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == sa
+        role_names = {(o["kind"], o["metadata"]["name"]) for o in objects
+                      if o["kind"] in ("Role", "ClusterRole")}
+        for binding in [o for o in objects if o["kind"].endswith("Binding")]:
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa,
+                                            "namespace": chartlib.DEFAULT_NAMESPACE}]
+            ref = binding["roleRef"]
+            assert (ref["kind"], ref["name"]) in role_names

@@ -1,0 +1,161 @@
+"""The Helm chart against a real API server: every values file passes server-side validation,
+and install / upgrade / uninstall behave (CRD kept, RBAC follows the values).
+
+The test bed's kwok nodes run no containers, so the operator pod's image never executes here:
+what is checked is what the API server admits and stores. The kind tier runs the image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
+import chartlib
+
+if TYPE_CHECKING:
+    from conftest import RunningTestbed  # type: ignore[import-not-found, attr-defined, unused-ignore]
+
+pytestmark = pytest.mark.controlplane
+
+CRD = "vllmdataparallels.vllmdp.io"
+CASES = [pytest.param((), id="defaults")] + [
+    pytest.param((p,), id=p.stem) for p in chartlib.CI_VALUES
+]
+
+
+@pytest.fixture(scope="module")
+def helm_bin() -> str:
+    try:
+        path: str = chartlib.helm_binary()
+        return path
+    except chartlib.HelmUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def _helm(testbed: RunningTestbed, *args: str, check: bool = True,
+          timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KUBECONFIG": str(testbed.kubeconfig),
+           # Keep helm's own cache/config out of $HOME.
+           "HELM_CACHE_HOME": str(testbed.state_dir / "helm" / "cache"),
+           "HELM_CONFIG_HOME": str(testbed.state_dir / "helm" / "config"),
+           "HELM_DATA_HOME": str(testbed.state_dir / "helm" / "data")}
+    proc = subprocess.run([chartlib.helm_binary(), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed (rc={proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _watch_override(values: tuple[Path, ...], ns: str) -> tuple[str, ...]:
+    # The ci files name an example namespace; point it at the test's own.
+    sets_watch = any("watchNamespace" in (yaml.safe_load(p.read_text()) or {}) for p in values)
+    return (f"watchNamespace={ns}",) if sets_watch else ()
+
+
+@pytest.mark.parametrize("values", CASES)
+def test_server_side_dry_run(testbed: RunningTestbed, testbed_namespace: str, helm_bin: str,
+                             values: tuple[Path, ...]) -> None:
+    # The API server validates every rendered field (pod security fields, RBAC rules, probe)
+    # without persisting anything.
+    ns = testbed_namespace
+    objects = chartlib.render(values, _watch_override(values, ns),
+                              release=f"dry-{ns[-6:]}", namespace=ns)
+    proc = testbed.kubectl("apply", "--dry-run=server", "-f", "-",
+                           input=yaml.safe_dump_all(objects), check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("(server dry run)") == len(objects), proc.stdout
+
+
+@pytest.fixture
+def release(testbed: RunningTestbed, testbed_namespace: str, helm_bin: str) -> Iterator[str]:
+    name = f"op-{testbed_namespace[-6:]}"
+    yield name
+    _helm(testbed, "uninstall", name, f"--namespace={testbed_namespace}", "--wait",
+          check=False)
+
+
+def _get(testbed: RunningTestbed, *args: str) -> dict[str, Any] | None:
+    proc = testbed.kubectl("get", *args, "-o", "json", check=False)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def test_install_upgrade_uninstall(testbed: RunningTestbed, testbed_namespace: str,
+                                   release: str) -> None:
+    ns = testbed_namespace
+    chart = str(chartlib.renderable_chart())
+    full = f"{release}-vllm-dp-operator"
+
+    out = _helm(testbed, "install", release, chart, f"--namespace={ns}").stdout
+    # NOTES.txt tells the user what to do next.
+    assert "kubectl apply" in out and "kuberay-operator" in out and "-api" in out, out
+    testbed.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+
+    dep = _get(testbed, "deployment", full, "-n", ns)
+    assert dep is not None
+    pod_spec = dep["spec"]["template"]["spec"]
+    assert pod_spec["securityContext"]["runAsNonRoot"] is True
+    assert pod_spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert _get(testbed, "serviceaccount", full, "-n", ns) is not None
+    role = _get(testbed, "clusterrole", full)
+    assert role is not None
+    assert not any("services/proxy" in r["resources"] for r in role["rules"])
+    # kwok runs the pod (no containers really start): the Deployment becomes available.
+    try:
+        testbed.wait_until(
+            "operator Deployment available",
+            lambda: (_get(testbed, "deployment", full, "-n", ns) or {})
+            .get("status", {}).get("availableReplicas") == 1,
+            120,
+        )
+    except AssertionError as exc:
+        pods = testbed.kubectl("get", "pods,events", "-n", ns, "-o", "wide", check=False)
+        raise AssertionError(f"{exc}\n{pods.stdout}{pods.stderr}") from None
+
+    # Upgrade to the API-server-proxy probe: RBAC and env follow.
+    _helm(testbed, "upgrade", release, chart, f"--namespace={ns}",
+          f"--values={chartlib.CHART / 'ci' / 'apiserver-proxy-values.yaml'}")
+    role = _get(testbed, "clusterrole", full)
+    assert role is not None
+    assert any("services/proxy" in r["resources"] and r["verbs"] == ["get"]
+               for r in role["rules"])
+    dep = _get(testbed, "deployment", full, "-n", ns)
+    assert dep is not None
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLMDP_HEALTH_PROBE"] == "apiserver-proxy"
+
+    # Switch to namespace scope: the ClusterRole goes, a Role appears in the namespace.
+    _helm(testbed, "upgrade", release, chart, f"--namespace={ns}", "--set=rbac.scope=namespace")
+    assert _get(testbed, "role", full, "-n", ns) is not None
+    assert _get(testbed, "clusterrole", full) is None
+    assert _get(testbed, "clusterrole", f"{full}-observer") is not None
+
+    _helm(testbed, "uninstall", release, f"--namespace={ns}", "--wait")
+    for args in (("deployment", full, "-n", ns), ("serviceaccount", full, "-n", ns),
+                 ("role", full, "-n", ns), ("clusterrole", f"{full}-observer"),
+                 ("clusterrolebinding", f"{full}-observer")):
+        assert _get(testbed, *args) is None, args
+    # Helm never deletes CRDs from crds/: resources of users survive an uninstall.
+    assert _get(testbed, "crd", CRD) is not None
+
+
+def test_chart_crd_matches_cluster_crd(testbed: RunningTestbed) -> None:
+    # Whatever installed the CRD (the test bed from crds/, or helm from the chart), the stored
+    # schema is the chart's.
+    shipped = yaml.safe_load((chartlib.CHART / "crds" / "vllmdp.io_vllmdataparallels.yaml")
+                             .read_text())
+    stored = _get(testbed, "crd", CRD)
+    assert stored is not None
+    assert [v["name"] for v in stored["spec"]["versions"]] == \
+        [v["name"] for v in shipped["spec"]["versions"]]
+    assert stored["spec"]["versions"][0]["schema"] == shipped["spec"]["versions"][0]["schema"]
