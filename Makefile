@@ -9,7 +9,7 @@ ENGINE_IMAGE ?= vllm-dp-engine:0.1.0
 OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
 EXAMPLE ?= examples/dp8-rpn4-tp1.yaml
 
-.PHONY: help venv lint crds crds-check test test-unit test-chart test-controlplane test-ray \
+.PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-ray \
         test-vllm-contract testbed-build testbed-up testbed-down dev dev-down bench-controlplane \
         image engine-image e2e-kind
 
@@ -51,6 +51,12 @@ test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
 test-vllm-contract: ## Opt-in: vLLM 0.33.0's own parser and placement against our plans (~9 GB)
 	$(PYTEST) -m vllm tests/vllm_contract
 
+helm: ## Build (once) and print the pinned helm
+	@tests/chart/ensure_helm.sh
+
+chart-lint: ## helm lint the chart as shipped
+	"$$(tests/chart/ensure_helm.sh)" lint charts/vllm-dp-operator
+
 testbed-build: ## Build (or reuse) the pinned control-plane binaries
 	$(TESTBED) build
 
@@ -76,4 +82,4 @@ engine-image: ## Engine image: vLLM 0.33.0 + Ray 2.60.0 + launcher (needs Docker
 	docker build -t $(ENGINE_IMAGE) engine_image
 
 e2e-kind: ## End to end on kind (needs Docker and kind)
-	$(PYTEST) -m kind tests/e2e
+	$(PYTEST) -rs -m kind tests/e2e
