@@ -50,6 +50,8 @@ def engine_env_overrides(
     return overrides
 
 
-def engine_env(plan: LaunchPlan, host_ip: str | None, inherited: Mapping[str, str]) -> dict[str, str]:
+def engine_env(
+    plan: LaunchPlan, host_ip: str | None, inherited: Mapping[str, str]
+) -> dict[str, str]:
     """Return the full environment the engine process runs with."""
     return {**inherited, **engine_env_overrides(plan, host_ip, inherited)}

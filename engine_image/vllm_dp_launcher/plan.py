@@ -24,7 +24,7 @@ DEFAULT_PREFLIGHT_TIMEOUT_SECONDS = 30.0
 
 @dataclass(frozen=True)
 class PodPlan:
-    """One GPU pod of the layout: which DP ranks it hosts and how many GPUs it has."""
+    """One GPU pod of the layout: which DP ranks it hosts and how many GPUs they use."""
 
     index: int
     role: Literal["head", "worker"]
@@ -43,8 +43,8 @@ class LaunchPlan:
     tensor_parallel_size: int
     pack_strategy: PackStrategy
     gpu_pods: int
-    gpus_per_pod: int
-    total_gpus: int
+    gpus_per_pod: int  # requested by every GPU pod, so offered by every GPU Ray node
+    total_gpus: int  # requested in all: what the cluster must offer before the launch
     pods: tuple[PodPlan, ...]
     port: int
     command: tuple[str, ...]
@@ -210,11 +210,14 @@ def _check_consistency(plan: LaunchPlan) -> None:
         raise PlanError(
             f"launch plan: 'gpuPods' is {plan.gpu_pods} but 'pods' lists {len(plan.pods)} pods"
         )
-    listed = sum(p.gpus for p in plan.pods)
-    if listed != plan.total_gpus:
-        raise PlanError(
-            f"launch plan: 'totalGpus' is {plan.total_gpus} but the pods hold {listed} GPUs"
-        )
+    # A pod's "gpus" is what its ranks use; "gpusPerPod" is what each pod requests (and what
+    # its Ray node offers). With fill, the head may use fewer than it requests.
+    for pod in plan.pods:
+        if pod.gpus > plan.gpus_per_pod:
+            raise PlanError(
+                f"launch plan: pods[{pod.index}] uses {pod.gpus} GPUs but 'gpusPerPod' is "
+                f"{plan.gpus_per_pod}"
+            )
 
 
 def load_plan(text: str) -> LaunchPlan:

@@ -1,4 +1,4 @@
-"""The launcher's connection to the Ray cluster it runs in (the only module that calls Ray)."""
+"""The launcher's driver connection to Ray: connect, find its own node, list the GPU nodes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
 def check_address(address: str | None) -> None:
     """Refuse Ray Client addresses: vLLM cannot run its engines through one (vllm#14349)."""
-    for source, value in (("--ray-address", address), (RAY_ADDRESS_ENV, os.environ.get(RAY_ADDRESS_ENV))):
+    env_value = os.environ.get(RAY_ADDRESS_ENV)
+    for source, value in (("--ray-address", address), (RAY_ADDRESS_ENV, env_value)):
         if value and value.strip().startswith("ray://"):
             raise LauncherError(
                 f"{source}={value}: a ray:// (Ray Client) address is not supported; vLLM's Ray "
@@ -27,9 +28,14 @@ def check_address(address: str | None) -> None:
 def connect(address: str | None) -> None:
     """Connect this process to the Ray cluster as a driver (``auto`` when no address)."""
     check_address(address)
-    import ray
+    try:
+        import ray
 
-    ray.init(address=address or "auto", log_to_driver=False, logging_level=logging.WARNING)
+        ray.init(address=address or "auto", log_to_driver=False, logging_level=logging.WARNING)
+    except Exception as exc:
+        raise LauncherError(
+            f"cannot connect to the Ray cluster at {address or 'auto'}: {exc}"
+        ) from exc
 
 
 def disconnect() -> None:
@@ -45,7 +51,7 @@ def own_node_ip() -> str:
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
         if node["NodeID"] == node_id:
             return str(node["NodeManagerAddress"])
     raise LauncherError(f"this driver's Ray node {node_id} is not in the cluster's node table")
@@ -55,19 +61,18 @@ def list_gpu_nodes() -> list[GpuNode]:
     """Return the alive GPU nodes of the cluster."""
     import ray
 
-    return gpu_nodes(ray.nodes())
+    return gpu_nodes(ray.nodes())  # type: ignore[no-untyped-call]
 
 
 def try_own_node_ip(address: str | None) -> str | None:
     """Return this node's Ray IP if a cluster is reachable, else None (for --dry-run)."""
+    check_address(address)
     try:
         connect(address)
         try:
             return own_node_ip()
         finally:
             disconnect()
-    except LauncherError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any failure just means "no Ray here"
+    except Exception as exc:  # any failure just means "no Ray here"
         log.debug("no Ray cluster reachable for --dry-run: %s", exc)
         return None

@@ -1,0 +1,195 @@
+"""The launcher against a real three-node Ray cluster, with a test double as the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from ray_harness import (
+    BLOCKABLE_IP,
+    GPUS_PER_NODE,
+    LATE_IP,
+    WORKER_IPS,
+    Cluster,
+    LauncherRun,
+    make_plan,
+)
+from ray_testbed import HEAD_IP, ephemeral_port_range
+
+pytest.importorskip("ray")
+pytest.importorskip("zmq")
+pytestmark = pytest.mark.ray
+
+StartLauncher = Callable[..., LauncherRun]
+
+
+def _http(port: int, method: str, path: str) -> int:
+    """Send one request to the engine double; return the HTTP status."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return int(response.status)
+
+
+def _engine_started(run: LauncherRun) -> dict[str, Any]:
+    """Wait until the engine double listens; return its start record."""
+    run.wait_for_record("listening")
+    return run.wait_for_record("start")
+
+
+def test_engine_gets_plan_command_and_own_node_ip(start_launcher: StartLauncher) -> None:
+    """The launcher on the head runs the plan's command with -dpa = the head's Ray node IP."""
+    plan = make_plan(pods=3)
+    run = start_launcher(plan)
+    start = _engine_started(run)
+
+    assert start["argv"] == [*plan["command"][1:], "--data-parallel-address", HEAD_IP]
+    env = start["env"]
+    assert env["VLLM_HOST_IP"] == HEAD_IP
+    assert env["VLLM_RAY_DP_PACK_STRATEGY"] == "strict"
+    assert env["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "HF_,VLLM_,GLOO_,NCCL_"
+    assert _http(plan["port"], "GET", "/health") == 200
+    log = run.log()
+    assert "Ray cluster ready: 3/3 GPU nodes, 12/12 GPUs" in log
+    assert "network preflight passed: 3 GPU node(s)" in log
+
+    assert _http(plan["port"], "POST", "/exit?code=5") == 200
+    assert run.finish() == 5
+
+
+def test_engine_exit_status_is_the_launchers(start_launcher: StartLauncher) -> None:
+    """An engine that exits 3 makes the launcher exit 3; one killed by SIGKILL gives 137."""
+    failing = start_launcher(make_plan(pods=3), VLLMDP_DOUBLE_EXIT_CODE="3")
+    assert failing.finish() == 3
+
+    killed = start_launcher(make_plan(pods=3))
+    pid = _engine_started(killed)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert killed.finish() == 128 + signal.SIGKILL
+
+
+def test_sigterm_to_launcher_reaches_engine(start_launcher: StartLauncher) -> None:
+    """SIGTERM sent to the launcher alone is forwarded; the engine's exit status comes back."""
+    run = start_launcher(make_plan(pods=3), VLLMDP_DOUBLE_TERM_EXIT_CODE="7")
+    start = _engine_started(run)
+    # The engine has its own process group, so only forwarding can deliver the signal.
+    assert start["pgid"] != os.getpgid(run.process.pid)
+
+    run.process.send_signal(signal.SIGTERM)
+
+    assert run.finish() == 7
+    assert {"event": "signal", "signal": "SIGTERM"} in run.records()
+    assert "forwarding SIGTERM to the engine" in run.log()
+
+
+def test_too_few_gpu_nodes_fails_within_deadline(start_launcher: StartLauncher) -> None:
+    """A plan for 4 GPU pods on a 3-node cluster fails after waitTimeoutSeconds, saying why."""
+    started = time.monotonic()
+    run = start_launcher(make_plan(pods=4, wait=4))
+
+    assert run.finish(timeout=30) == 3
+    elapsed = time.monotonic() - started
+    log = run.log()
+    assert elapsed < 4 + 10, log  # the deadline plus connecting to Ray
+    assert "waiting for the Ray cluster: 3/4 GPU nodes, 12/16 GPUs" in log
+    assert "timed out after 4s" in log
+    assert "missing 1 GPU node(s) and 4 GPU(s)" in log
+    assert "1 of 3 worker GPU pod(s) (4 GPUs each) have not joined" in log
+    assert all(ip in log for ip in (HEAD_IP, *WORKER_IPS))
+    assert run.records() == []
+
+
+def test_too_few_gpus_per_node_fails(start_launcher: StartLauncher) -> None:
+    """Enough nodes but not enough GPUs (3 pods x 8 planned, 3 x 4 present) fails the same way."""
+    run = start_launcher(make_plan(pods=3, gpus_per_pod=8, wait=2))
+
+    assert run.finish(timeout=30) == 3
+    assert "3/3 GPU nodes, 12/24 GPUs" in run.log()
+    assert "missing 0 GPU node(s) and 12 GPU(s)" in run.log()
+
+
+def test_worker_joining_late_is_waited_for(
+    start_launcher: StartLauncher, ray_cluster: Cluster
+) -> None:
+    """The launcher waits (printing progress) until a fourth GPU node joins, then starts vLLM."""
+    plan = make_plan(pods=4, wait=90)
+    run = start_launcher(plan)
+    run.wait_for(lambda: "3/4 GPU nodes, 12/16 GPUs" in run.log(), "progress line")
+    time.sleep(1.5)
+    assert run.records() == [], "the engine must not start before the fourth node joins"
+    assert run.log().count("waiting for the Ray cluster: 3/4 GPU nodes") >= 2
+
+    testbed = ray_cluster.testbed
+    late = testbed.start_node(LATE_IP, GPUS_PER_NODE, slot=3)
+    try:
+        start = _engine_started(run)
+        assert start["argv"][-2:] == ["--data-parallel-address", HEAD_IP]
+        assert "--data-parallel-size" in start["argv"]
+        log = run.log()
+        assert "Ray cluster ready: 4/4 GPU nodes, 16/16 GPUs" in log
+        assert "network preflight passed: 4 GPU node(s)" in log
+        _http(plan["port"], "POST", "/exit?code=0")
+        assert run.finish() == 0
+    finally:
+        testbed.stop_node(late)
+        testbed.wait_alive(ray_cluster.ips)  # later tests see the three session nodes again
+
+
+def test_preflight_names_the_node_that_cannot_connect(
+    start_launcher: StartLauncher, ray_cluster: Cluster
+) -> None:
+    """A node whose TCP to the launcher's ephemeral port is rejected fails the launch, by name.
+
+    How the node is cut off, for real: node 127.0.0.4 was started inside its own cgroup v2
+    group, and for this test an iptables OUTPUT rule rejects (TCP reset) that group's
+    connections to 127.0.0.2 on the kernel's ephemeral port range, where the launcher binds
+    its preflight ZMQ ROUTER. Ray's own ports sit below that range, so the node stays a
+    healthy Ray member: the probe task runs there and reports back, but its DEALER never
+    reaches the launcher. Loopback addresses alone cannot do this (every local address
+    reaches every other, and the kernel sends from 127.0.0.1), hence the cgroup match.
+    """
+    if ray_cluster.cgroup is None:
+        pytest.skip(f"cannot cut a node off on this machine: {ray_cluster.cgroup_unavailable}")
+    with ray_cluster.cgroup.blocked(HEAD_IP, ephemeral_port_range()):
+        started = time.monotonic()
+        run = start_launcher(make_plan(pods=3, preflight=6))
+        status = run.finish(timeout=40)
+        elapsed = time.monotonic() - started
+
+    log = run.log()
+    assert status == 4, log
+    assert elapsed < 6 + 10, log
+    assert "network preflight failed: 1 of 3 GPU node(s)" in log
+    failure = log[log.index("network preflight failed") :]
+    assert f"{BLOCKABLE_IP} (node " in failure
+    assert "127.0.0.3 (node " not in failure
+    assert "Connection refused" in failure
+    assert run.records() == []
+
+
+def test_dry_run_takes_the_address_from_ray(ray_cluster: Cluster) -> None:
+    """--dry-run with a reachable cluster shows this Ray node's IP and starts nothing."""
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.testbed.gcs_address}
+    env.pop("VLLM_HOST_IP", None)
+    plan = make_plan(pods=3)
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_dp_launcher", "--plan", json.dumps(plan), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["dataParallelAddress"] == HEAD_IP
+    assert report["dataParallelAddressSource"] == "ray"
+    assert report["command"] == [*plan["command"], "--data-parallel-address", HEAD_IP]
+    assert report["env"]["VLLM_HOST_IP"] == HEAD_IP

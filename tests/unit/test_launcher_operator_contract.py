@@ -1,0 +1,57 @@
+"""The operator's rendered head job, read by the launcher: one contract, checked from both ends.
+
+Every example is rendered with the operator's CLI (`vllm-dp render -o json`, in process); the RayJob
+entrypoint must be `python -m vllm_dp_launcher --plan '<JSON>'`, the launcher must parse
+that plan, and a Ray cluster shaped as the plan says (gpuPods nodes of gpusPerPod GPUs) must
+pass the launcher's own wait and layout checks.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_dp_launcher.cli import build_parser, dry_run_report, read_plan
+from vllm_dp_launcher.cluster import GpuNode, layout_problems, progress
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def head_job_entrypoint(example: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """Render one example with the operator's CLI and return its RayJob entrypoint."""
+    cli = pytest.importorskip("vllm_dp_operator.cli", reason="the operator is not installed")
+    capsys.readouterr()
+    assert cli.main(["render", "-f", str(example), "-o", "json"]) == 0
+    items: list[dict[str, Any]] = json.loads(capsys.readouterr().out)["items"]
+    (job,) = [item for item in items if item["kind"] == "RayJob"]
+    return str(job["spec"]["entrypoint"])
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_rendered_plan_is_accepted_by_the_launcher(
+    example: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Entrypoint shape, plan parsing, dry-run command, and the cluster checks all agree."""
+    argv = shlex.split(head_job_entrypoint(example, capsys))
+    assert argv[:3] == ["python", "-m", "vllm_dp_launcher"]
+    plan = read_plan(build_parser().parse_args(argv[3:]))
+
+    nodes = [
+        GpuNode(f"{i:056x}", f"10.0.0.{i + 1}", plan.gpus_per_pod) for i in range(plan.gpu_pods)
+    ]
+    assert progress(plan, nodes).ready
+    assert layout_problems(plan, nodes, own_ip=nodes[0].ip) == []
+
+    report = dry_run_report(plan, "10.0.0.1", "--node-ip", {})
+    assert report["command"] == [*plan.command, "--data-parallel-address", "10.0.0.1"]
+    assert report["command"][:2] == ["vllm", "serve"]
+    assert report["env"]["VLLM_RAY_DP_PACK_STRATEGY"] == plan.pack_strategy
+
+
+def test_there_are_examples() -> None:
+    """The parametrised test above must not pass by having nothing to check."""
+    assert len(EXAMPLES) >= 3
