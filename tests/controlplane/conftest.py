@@ -57,14 +57,17 @@ class RunningTestbed:
             "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
         }
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         """Run kubectl (the test bed's own build) as cluster admin; raise on failure if `check`."""
         cmd = [str(self.kubectl_path), f"--kubeconfig={self.kubeconfig}", *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(
-                f"kubectl {' '.join(args)} failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+                f"kubectl {' '.join(args)} failed (rc={proc.returncode}):\n"
+                f"{proc.stdout}\n{proc.stderr}"
+            )
         return proc
 
     def kubectl_json(self, *args: str) -> Any:
@@ -77,10 +80,13 @@ class RunningTestbed:
             manifest = yaml.safe_dump(manifest)
         elif isinstance(manifest, list):
             manifest = yaml.safe_dump_all(manifest)
-        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", *args, input=manifest)
+        self.kubectl(
+            "apply", "--server-side", "--force-conflicts", "-f", "-", *args, input=manifest
+        )
 
-    def wait_until(self, what: str, check: Callable[[], Any], timeout: float = 60,
-                   interval: float = 0.25) -> Any:
+    def wait_until(
+        self, what: str, check: Callable[[], Any], timeout: float = 60, interval: float = 0.25
+    ) -> Any:
         """Poll `check` until it returns a truthy value; return it, or fail after `timeout`."""
         deadline = time.monotonic() + timeout
         last: Any = None
@@ -100,9 +106,16 @@ class RunningTestbed:
         return p.read_text(errors="replace")[-chars:] if p.exists() else ""
 
 
-def _run(args: list[str], env: dict[str, str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(TESTBED_PY), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def _run(
+    args: list[str], env: dict[str, str], timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(TESTBED_PY), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _bail(msg: str, *, skippable: bool) -> None:
@@ -121,21 +134,37 @@ def testbed() -> Iterator[RunningTestbed]:
         bin_dir = _run(["bin-dir"], env, timeout=60).stdout.strip()
         cached = bool(bin_dir) and all(
             (Path(bin_dir) / b).is_file()
-            for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok",
-                      "ray-operator"))
+            for b in (
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kube-scheduler",
+                "kubectl",
+                "kwok",
+                "ray-operator",
+            )
+        )
         if not cached and shutil.which("go") is None:
-            _bail("control-plane test bed: Go toolchain not found and no cached binaries in "
-                  f"{bin_dir}; install Go >= 1.26 (or run `python tests/testbed/testbed.py build` "
-                  "where Go exists)", skippable=True)
+            _bail(
+                "control-plane test bed: Go toolchain not found and no cached binaries in "
+                f"{bin_dir}; install Go >= 1.26 (or run `python tests/testbed/testbed.py build` "
+                "where Go exists)",
+                skippable=True,
+            )
         build = _run(["build"], env, timeout=3 * 3600)
         if build.returncode != 0:
-            _bail(f"control-plane test bed: build failed (rc={build.returncode}):\n"
-                  f"{build.stdout[-4000:]}\n{build.stderr[-8000:]}", skippable=False)
+            _bail(
+                f"control-plane test bed: build failed (rc={build.returncode}):\n"
+                f"{build.stdout[-4000:]}\n{build.stderr[-8000:]}",
+                skippable=False,
+            )
         up = _run(["up", "--no-build"], env, timeout=900)
         sys.stderr.write(up.stdout)
         if up.returncode != 0:
-            _bail(f"control-plane test bed: `up` failed (rc={up.returncode}):\n{up.stdout[-4000:]}\n"
-                  f"{up.stderr[-8000:]}", skippable=False)
+            _bail(
+                f"control-plane test bed: `up` failed (rc={up.returncode}):\n{up.stdout[-4000:]}\n"
+                f"{up.stderr[-8000:]}",
+                skippable=False,
+            )
         started = True
 
     info = json.loads((state / "testbed.json").read_text())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -81,6 +82,7 @@ KCM_CONTROLLERS = [
     "pod-garbage-collector-controller",
     "clusterrole-aggregation-controller",
     "resourcequota-controller",
+    "service-cidr-controller",
 ]
 
 
@@ -97,8 +99,12 @@ def versions() -> dict[str, str]:
     return out
 
 
+# Bump when the way binaries are built changes (flags, stamping), to invalidate the cache.
+BUILD_RECIPE = "2"
+
+
 def version_key() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"recipe={BUILD_RECIPE}\0".encode())
     for name in ("versions.env", "go.mod", "go.sum"):
         h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
     return h.hexdigest()[:12]
@@ -149,7 +155,9 @@ def _run_build(cmd: list[str], cwd: Path, env: dict[str, str], what: str) -> flo
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     dt = time.monotonic() - t0
     if proc.returncode != 0:
-        raise BuildError(f"building {what} failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-6000:]}")
+        raise BuildError(
+            f"building {what} failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-6000:]}"
+        )
     log(f"built {what} in {dt:.1f}s")
     return dt
 
@@ -175,20 +183,29 @@ def find_etcd(install: bool = False) -> str:
     if cand:
         return cand
     if not install:
-        raise BuildError("etcd not found (install the Debian package etcd-server or set VLLMDP_ETCD)")
+        raise BuildError(
+            "etcd not found (install the Debian package etcd-server or set VLLMDP_ETCD)"
+        )
     pkg = versions().get("ETCD_APT_PACKAGE", "etcd-server")
     apt = shutil.which("apt-get")
     if not apt:
         raise BuildError(f"etcd not found and apt-get is missing: install {pkg} or set VLLMDP_ETCD")
     sudo: list[str] = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else [])
     if os.geteuid() != 0 and not sudo:
-        raise BuildError(f"etcd not found: install {pkg} (apt-get install {pkg}) or set VLLMDP_ETCD")
+        raise BuildError(
+            f"etcd not found: install {pkg} (apt-get install {pkg}) or set VLLMDP_ETCD"
+        )
     log(f"etcd not found; installing {pkg} with apt-get")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in ([*sudo, apt, "update"], [*sudo, apt, "install", "-y", "--no-install-recommends", pkg]):
+    for cmd in (
+        [*sudo, apt, "update"],
+        [*sudo, apt, "install", "-y", "--no-install-recommends", pkg],
+    ):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise BuildError(
+                f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
     # Debian's package may start etcd as a service where systemd runs; we never use that one.
     cand = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").is_file() else None)
     if not cand:
@@ -200,7 +217,10 @@ def kuberay_module_dir(env: dict[str, str]) -> Path:
     ver = versions()["KUBERAY_VERSION"]
     proc = subprocess.run(
         ["go", "mod", "download", "-json", f"{KUBERAY_MODULE}@{ver}"],
-        cwd=HERE, env=env, capture_output=True, text=True,
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     try:
         info = json.loads(proc.stdout)
@@ -211,13 +231,45 @@ def kuberay_module_dir(env: dict[str, str]) -> Path:
     return Path(info["Dir"])
 
 
+def k8s_version_ldflags(version: str) -> str:
+    """Stamp the version like the upstream build does (hack/lib/version.sh); without it the
+    binaries report v0.0.0-master+$Format:%H$, which kubectl and Helm cannot parse."""
+    major, minor = version.removeprefix("v").split(".")[:2]
+    stamp = {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": "1970-01-01T00:00:00Z",
+    }
+    return " ".join(
+        f"-X {pkg}.{k}={val}"
+        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for k, val in stamp.items()
+    )
+
+
 def build(force: bool = False) -> Path:
-    """Build (or reuse) every binary; return the bin dir."""
+    """Build (or reuse) every binary; return the bin dir. Concurrent builds (two test sessions)
+    serialize on a lock file in the cache root."""
     bd = bin_dir()
     find_etcd(install=True)
     if binaries_present(bd) and not force:
         log(f"binaries cached in {bd}")
         return bd
+    bd.parent.mkdir(parents=True, exist_ok=True)
+    with open(bd.parent / ".build.lock", "w") as lock:
+        t0 = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if time.monotonic() - t0 > 1:
+            log(f"waited {time.monotonic() - t0:.0f}s for another build")
+        if binaries_present(bd) and not force:
+            log(f"binaries cached in {bd}")
+            return bd
+        return _build_locked(bd, force)
+
+
+def _build_locked(bd: Path, force: bool) -> Path:
     if not go_available():
         raise BuildError("Go toolchain not found (needed to build the test bed binaries)")
     v = versions()
@@ -230,7 +282,10 @@ def build(force: bool = False) -> Path:
         if force or not (bd / "ray-operator").is_file():
             times["ray-operator"] = _run_build(
                 ["go", "install", "-ldflags=-s -w", f"{KUBERAY_MODULE}@{v['KUBERAY_VERSION']}"],
-                HERE, dict(env, GOBIN=str(tmp)), f"KubeRay operator {v['KUBERAY_VERSION']}")
+                HERE,
+                dict(env, GOBIN=str(tmp)),
+                f"KubeRay operator {v['KUBERAY_VERSION']}",
+            )
             os.replace(tmp / "ray-operator", bd / "ray-operator")
         if force or not (bd / "kuberay-crds").is_dir():
             src = kuberay_module_dir(env) / "config" / "crd" / "bases"
@@ -246,18 +301,33 @@ def build(force: bool = False) -> Path:
         if force or not (bd / "kwok").is_file():
             times["kwok"] = _run_build(
                 ["go", "install", "-ldflags=-s -w", f"{KWOK_PACKAGE}@{v['KWOK_VERSION']}"],
-                HERE, dict(env, GOBIN=str(tmp)), f"kwok {v['KWOK_VERSION']}")
+                HERE,
+                dict(env, GOBIN=str(tmp)),
+                f"kwok {v['KWOK_VERSION']}",
+            )
             os.replace(tmp / "kwok", bd / "kwok")
         for cmd in K8S_COMMANDS:
             if force or not (bd / cmd).is_file():
                 times[cmd] = _run_build(
-                    ["go", "build", "-ldflags=-s -w", "-o", str(tmp / cmd), f"k8s.io/kubernetes/cmd/{cmd}"],
-                    HERE, env, f"{cmd} {v['KUBERNETES_VERSION']}")
+                    [
+                        "go",
+                        "build",
+                        f"-ldflags=-s -w {k8s_version_ldflags(v['KUBERNETES_VERSION'])}",
+                        "-o",
+                        str(tmp / cmd),
+                        f"k8s.io/kubernetes/cmd/{cmd}",
+                    ],
+                    HERE,
+                    env,
+                    f"{cmd} {v['KUBERNETES_VERSION']}",
+                )
                 os.replace(tmp / cmd, bd / cmd)
         total = time.monotonic() - t_all
         info_file = bd / "BUILD_INFO.json"
         info = json.loads(info_file.read_text()) if info_file.exists() else {}
-        info.update({"versions": v, "key": version_key(), "seconds": {**info.get("seconds", {}), **times}})
+        info.update(
+            {"versions": v, "key": version_key(), "seconds": {**info.get("seconds", {}), **times}}
+        )
         info_file.write_text(json.dumps(info, indent=2) + "\n")
         log(f"build done in {total:.1f}s -> {bd}")
     finally:
@@ -314,7 +384,9 @@ def http_get(url: str, token: str | None = None, timeout: float = 2.0) -> tuple[
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     try:
-        with urllib.request.urlopen(req, timeout=timeout, context=ctx if url.startswith("https") else None) as r:
+        with urllib.request.urlopen(
+            req, timeout=timeout, context=ctx if url.startswith("https") else None
+        ) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
@@ -322,13 +394,19 @@ def http_get(url: str, token: str | None = None, timeout: float = 2.0) -> tuple[
         return 0, str(e)
 
 
-def wait_for(what: str, check: Any, timeout: float, proc_pid: int | None = None, logfile: Path | None = None) -> float:
+def wait_for(
+    what: str, check: Any, timeout: float, proc_pid: int | None = None, logfile: Path | None = None
+) -> float:
     t0 = time.monotonic()
     last = None
     while time.monotonic() - t0 < timeout:
         if proc_pid is not None and not pid_alive(proc_pid):
-            tail = logfile.read_text(errors="replace")[-4000:] if logfile and logfile.exists() else ""
-            raise RuntimeError(f"{what}: process {proc_pid} exited while starting. Log tail:\n{tail}")
+            tail = (
+                logfile.read_text(errors="replace")[-4000:] if logfile and logfile.exists() else ""
+            )
+            raise RuntimeError(
+                f"{what}: process {proc_pid} exited while starting. Log tail:\n{tail}"
+            )
         try:
             ok = check()
         except Exception as e:  # readiness probes raise while things start
@@ -337,7 +415,9 @@ def wait_for(what: str, check: Any, timeout: float, proc_pid: int | None = None,
             return time.monotonic() - t0
         time.sleep(0.2)
     tail = logfile.read_text(errors="replace")[-4000:] if logfile and logfile.exists() else ""
-    raise RuntimeError(f"{what} not ready after {timeout:.0f}s (last error: {last}). Log tail:\n{tail}")
+    raise RuntimeError(
+        f"{what} not ready after {timeout:.0f}s (last error: {last}). Log tail:\n{tail}"
+    )
 
 
 # --------------------------------------------------------------------------- state
@@ -397,17 +477,56 @@ def make_pki(pki: Path) -> None:
         return
     if not shutil.which("openssl"):
         raise RuntimeError("openssl is required to create the test bed certificates")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=vllmdp-testbed-ca",
-            "-keyout", str(pki / "ca.key"), "-out", str(pki / "ca.crt"))
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=vllmdp-testbed-ca",
+        "-keyout",
+        str(pki / "ca.key"),
+        "-out",
+        str(pki / "ca.crt"),
+    )
     ext = pki / "apiserver.ext"
     ext.write_text(
         "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
         "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-            "-keyout", str(pki / "apiserver.key"), "-out", str(pki / "apiserver.csr"))
-    openssl("x509", "-req", "-in", str(pki / "apiserver.csr"), "-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"),
-            "-CAcreateserial", "-days", "3650", "-extfile", str(ext), "-out", str(pki / "apiserver.crt"))
+        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        str(pki / "apiserver.key"),
+        "-out",
+        str(pki / "apiserver.csr"),
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(pki / "apiserver.csr"),
+        "-CA",
+        str(pki / "ca.crt"),
+        "-CAkey",
+        str(pki / "ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        str(ext),
+        "-out",
+        str(pki / "apiserver.crt"),
+    )
     openssl("genrsa", "-out", str(pki / "sa.key"), "2048")
     openssl("rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
 
@@ -416,11 +535,22 @@ def write_kubeconfig(path: Path, server: str, ca: Path, token: str, user: str) -
     cfg = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "testbed", "cluster": {
-            "server": server,
-            "certificate-authority-data": base64.b64encode(ca.read_bytes()).decode()}}],
+        "clusters": [
+            {
+                "name": "testbed",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca.read_bytes()).decode(),
+                },
+            }
+        ],
         "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "testbed", "context": {"cluster": "testbed", "user": user, "namespace": "default"}}],
+        "contexts": [
+            {
+                "name": "testbed",
+                "context": {"cluster": "testbed", "user": user, "namespace": "default"},
+            }
+        ],
         "current-context": "testbed",
     }
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -430,11 +560,14 @@ def write_kubeconfig(path: Path, server: str, ca: Path, token: str, user: str) -
 # --------------------------------------------------------------------------- nodes
 
 
-def node_manifests(gpu_nodes: int, gpus_per_node: int, cpu_nodes: int, gpu_product: str,
-                   instance_type: str) -> list[dict[str, Any]]:
+def node_manifests(
+    gpu_nodes: int, gpus_per_node: int, cpu_nodes: int, gpu_product: str, instance_type: str
+) -> list[dict[str, Any]]:
     nodes = []
 
-    def node(name: str, labels: dict[str, str], taints: list[dict[str, str]], res: dict[str, str]) -> dict[str, Any]:
+    def node(
+        name: str, labels: dict[str, str], taints: list[dict[str, str]], res: dict[str, str]
+    ) -> dict[str, Any]:
         return {
             "apiVersion": "v1",
             "kind": "Node",
@@ -456,27 +589,36 @@ def node_manifests(gpu_nodes: int, gpus_per_node: int, cpu_nodes: int, gpu_produ
         }
 
     for i in range(gpu_nodes):
-        nodes.append(node(
-            f"gpu-node-{i}",
-            {
-                "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.count": str(gpus_per_node),
-                "nvidia.com/gpu.product": gpu_product,
-                "nvidia.com/gpu.memory": "81559",
-                "node.kubernetes.io/instance-type": instance_type,
-                "vllmdp.io/testbed-node": "gpu",
-            },
-            [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}],
-            {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti",
-             GPU_RESOURCE: str(gpus_per_node)},
-        ))
+        nodes.append(
+            node(
+                f"gpu-node-{i}",
+                {
+                    "nvidia.com/gpu.present": "true",
+                    "nvidia.com/gpu.count": str(gpus_per_node),
+                    "nvidia.com/gpu.product": gpu_product,
+                    "nvidia.com/gpu.memory": "81559",
+                    "node.kubernetes.io/instance-type": instance_type,
+                    "vllmdp.io/testbed-node": "gpu",
+                },
+                [{"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}],
+                {
+                    "cpu": "64",
+                    "memory": "512Gi",
+                    "pods": "110",
+                    "ephemeral-storage": "1Ti",
+                    GPU_RESOURCE: str(gpus_per_node),
+                },
+            )
+        )
     for i in range(cpu_nodes):
-        nodes.append(node(
-            f"cpu-node-{i}",
-            {"node.kubernetes.io/instance-type": "m5.4xlarge", "vllmdp.io/testbed-node": "cpu"},
-            [],
-            {"cpu": "16", "memory": "64Gi", "pods": "110", "ephemeral-storage": "200Gi"},
-        ))
+        nodes.append(
+            node(
+                f"cpu-node-{i}",
+                {"node.kubernetes.io/instance-type": "m5.4xlarge", "vllmdp.io/testbed-node": "cpu"},
+                [],
+                {"cpu": "16", "memory": "64Gi", "pods": "110", "ephemeral-storage": "200Gi"},
+            )
+        )
     return nodes
 
 
@@ -489,12 +631,16 @@ class Testbed:
         self.bd = bd
 
     # kubectl with the admin kubeconfig
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [str(self.bd / "kubectl"), f"--kubeconfig={self.st.kubeconfig}", *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
         if check and proc.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)} failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+            raise RuntimeError(
+                f"kubectl {' '.join(args)} failed (rc={proc.returncode}):\n"
+                f"{proc.stdout}\n{proc.stderr}"
+            )
         return proc
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -504,16 +650,30 @@ class Testbed:
             lf.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(argv)}\n".encode())
             lf.flush()
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=lf, stderr=subprocess.STDOUT,
-                env=env or dict(os.environ), cwd=self.st.root, start_new_session=True,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=lf,
+                stderr=subprocess.STDOUT,
+                env=env or dict(os.environ),
+                cwd=self.st.root,
+                start_new_session=True,
             )
         pids = self.st.pids()
         pids[name] = {"pid": proc.pid, "exe": argv[0], "log": str(logfile), "started": time.time()}
         self.st.save_pids(pids)
         return proc.pid
 
-    def up(self, gpu_nodes: int, gpus_per_node: int, cpu_nodes: int, etcd_port: int | None,
-           apiserver_port: int | None, keep_data: bool, gpu_product: str, instance_type: str) -> None:
+    def up(
+        self,
+        gpu_nodes: int,
+        gpus_per_node: int,
+        cpu_nodes: int,
+        etcd_port: int | None,
+        apiserver_port: int | None,
+        keep_data: bool,
+        gpu_product: str,
+        instance_type: str,
+    ) -> None:
         st = self.st
         if st.healthy():
             log(f"already up and healthy ({st.root}); nothing to do")
@@ -534,7 +694,9 @@ class Testbed:
         ports = {
             "etcd": etcd_port or int(os.environ.get("VLLMDP_TESTBED_ETCD_PORT", 0)) or free_port(),
             "etcd-peer": free_port(),
-            "apiserver": apiserver_port or int(os.environ.get("VLLMDP_TESTBED_APISERVER_PORT", 0)) or free_port(),
+            "apiserver": apiserver_port
+            or int(os.environ.get("VLLMDP_TESTBED_APISERVER_PORT", 0))
+            or free_port(),
             "kcm": free_port(),
             "scheduler": free_port(),
             "kwok": free_port(),
@@ -555,102 +717,207 @@ class Testbed:
         for comp in users:
             tokens.setdefault(comp, secrets.token_hex(24))
         token_file = st.pki / "tokens.csv"
-        token_file.write_text("".join(
-            f'{tokens[c]},{u},{u},"{g}"\n' for c, (u, g) in users.items()))
+        token_file.write_text(
+            "".join(f'{tokens[c]},{u},{u},"{g}"\n' for c, (u, g) in users.items())
+        )
         token_file.chmod(0o600)
         kcfg = {}
         for comp, (user, _) in users.items():
-            path = st.kubeconfig if comp == "admin" else st.root / "kubeconfigs" / f"{comp}.kubeconfig"
+            path = (
+                st.kubeconfig if comp == "admin" else st.root / "kubeconfigs" / f"{comp}.kubeconfig"
+            )
             write_kubeconfig(path, server, st.pki / "ca.crt", tokens[comp], user)
             kcfg[comp] = str(path)
-        st.info_file.write_text(json.dumps({
-            "server": server, "ports": ports, "kubeconfig": str(st.kubeconfig), "admin_token": tokens["admin"],
-            "tokens": tokens, "bin_dir": str(self.bd), "etcd": etcd, "gpu_nodes": gpu_nodes,
-            "gpus_per_node": gpus_per_node, "cpu_nodes": cpu_nodes,
-        }, indent=2) + "\n")
+        st.info_file.write_text(
+            json.dumps(
+                {
+                    "server": server,
+                    "ports": ports,
+                    "kubeconfig": str(st.kubeconfig),
+                    "admin_token": tokens["admin"],
+                    "tokens": tokens,
+                    "bin_dir": str(self.bd),
+                    "etcd": etcd,
+                    "gpu_nodes": gpu_nodes,
+                    "gpus_per_node": gpus_per_node,
+                    "cpu_nodes": cpu_nodes,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         st.info_file.chmod(0o600)
 
         # etcd
         t0 = time.monotonic()
-        pid = self.start("etcd", [
-            etcd, "--name=testbed", f"--data-dir={st.root / 'etcd'}",
-            f"--listen-client-urls=http://127.0.0.1:{ports['etcd']}",
-            f"--advertise-client-urls=http://127.0.0.1:{ports['etcd']}",
-            f"--listen-peer-urls=http://127.0.0.1:{ports['etcd-peer']}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{ports['etcd-peer']}",
-            f"--initial-cluster=testbed=http://127.0.0.1:{ports['etcd-peer']}",
-            "--initial-cluster-state=new", "--log-level=warn", "--quota-backend-bytes=4294967296",
-        ])
-        wait_for("etcd", lambda: '"health":"true"' in http_get(f"http://127.0.0.1:{ports['etcd']}/health")[1],
-                 30, pid, st.logs / "etcd.log")
+        pid = self.start(
+            "etcd",
+            [
+                etcd,
+                "--name=testbed",
+                f"--data-dir={st.root / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{ports['etcd']}",
+                f"--advertise-client-urls=http://127.0.0.1:{ports['etcd']}",
+                f"--listen-peer-urls=http://127.0.0.1:{ports['etcd-peer']}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{ports['etcd-peer']}",
+                f"--initial-cluster=testbed=http://127.0.0.1:{ports['etcd-peer']}",
+                "--initial-cluster-state=new",
+                "--log-level=warn",
+                "--quota-backend-bytes=4294967296",
+            ],
+        )
+        wait_for(
+            "etcd",
+            lambda: '"health":"true"' in http_get(f"http://127.0.0.1:{ports['etcd']}/health")[1],
+            30,
+            pid,
+            st.logs / "etcd.log",
+        )
         timings["etcd"] = time.monotonic() - t0
         log(f"etcd ready on 127.0.0.1:{ports['etcd']} in {timings['etcd']:.1f}s (pid {pid})")
 
         # kube-apiserver
         t0 = time.monotonic()
-        pid = self.start("kube-apiserver", [
-            str(self.bd / "kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{ports['etcd']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={ports['apiserver']}",
-            f"--cert-dir={st.pki}", f"--tls-cert-file={st.pki / 'apiserver.crt'}",
-            f"--tls-private-key-file={st.pki / 'apiserver.key'}", f"--client-ca-file={st.pki / 'ca.crt'}",
-            f"--token-auth-file={token_file}", "--authorization-mode=RBAC", "--anonymous-auth=true",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={st.pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={st.pki / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", "--endpoint-reconciler-type=none",
-            "--allow-privileged=true", "--profiling=false", "--v=1",
-        ])
+        pid = self.start(
+            "kube-apiserver",
+            [
+                str(self.bd / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{ports['etcd']}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={ports['apiserver']}",
+                f"--cert-dir={st.pki}",
+                f"--tls-cert-file={st.pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={st.pki / 'apiserver.key'}",
+                f"--client-ca-file={st.pki / 'ca.crt'}",
+                f"--token-auth-file={token_file}",
+                "--authorization-mode=RBAC",
+                "--anonymous-auth=true",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={st.pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={st.pki / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--endpoint-reconciler-type=none",
+                # No node-lifecycle controller runs, so nothing would lift the not-ready taint that
+                # this admission plugin puts on new nodes.
+                "--disable-admission-plugins=TaintNodesByCondition",
+                # Debian's etcd 3.4.23 lacks RequestWatchProgress. With WatchList on, the apiserver
+                # turns every watch from resourceVersion 0 into a watch-list request and refuses it
+                # ("required storage feature RequestWatchProgress is disabled"); kwok always watches
+                # from 0, so it would see pod changes only on periodic relists (up to ~30 s late).
+                "--feature-gates=WatchList=false",
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
         token = tokens["admin"]
-        wait_for("kube-apiserver", lambda: http_get(f"{server}/readyz", token)[0] == 200, 120, pid,
-                 st.logs / "kube-apiserver.log")
+        wait_for(
+            "kube-apiserver",
+            lambda: http_get(f"{server}/readyz", token)[0] == 200,
+            120,
+            pid,
+            st.logs / "kube-apiserver.log",
+        )
         timings["kube-apiserver"] = time.monotonic() - t0
         log(f"kube-apiserver ready at {server} in {timings['kube-apiserver']:.1f}s (pid {pid})")
 
         # kube-controller-manager
         t0 = time.monotonic()
         k = kcfg["kube-controller-manager"]
-        pid = self.start("kube-controller-manager", [
-            str(self.bd / "kube-controller-manager"),
-            f"--kubeconfig={k}", f"--authentication-kubeconfig={k}", f"--authorization-kubeconfig={k}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={ports['kcm']}",
-            f"--controllers={','.join(KCM_CONTROLLERS)}",
-            f"--service-account-private-key-file={st.pki / 'sa.key'}", f"--root-ca-file={st.pki / 'ca.crt'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", "--use-service-account-credentials=false",
-            "--concurrent-gc-syncs=4", "--v=1",
-        ])
-        wait_for("kube-controller-manager", lambda: http_get(f"https://127.0.0.1:{ports['kcm']}/healthz")[0] == 200,
-                 60, pid, st.logs / "kube-controller-manager.log")
+        pid = self.start(
+            "kube-controller-manager",
+            [
+                str(self.bd / "kube-controller-manager"),
+                f"--kubeconfig={k}",
+                f"--authentication-kubeconfig={k}",
+                f"--authorization-kubeconfig={k}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={ports['kcm']}",
+                f"--controllers={','.join(KCM_CONTROLLERS)}",
+                f"--service-account-private-key-file={st.pki / 'sa.key'}",
+                f"--root-ca-file={st.pki / 'ca.crt'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--use-service-account-credentials=false",
+                "--concurrent-gc-syncs=4",
+                "--v=1",
+            ],
+        )
+        wait_for(
+            "kube-controller-manager",
+            lambda: http_get(f"https://127.0.0.1:{ports['kcm']}/healthz")[0] == 200,
+            60,
+            pid,
+            st.logs / "kube-controller-manager.log",
+        )
         # The serviceaccount controller must create default/default before pods can be admitted.
-        wait_for("serviceaccount default/default",
-                 lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0,
-                 60, pid, st.logs / "kube-controller-manager.log")
+        wait_for(
+            "serviceaccount default/default",
+            lambda: (
+                self.kubectl(
+                    "get", "serviceaccount", "default", "-n", "default", check=False
+                ).returncode
+                == 0
+            ),
+            60,
+            pid,
+            st.logs / "kube-controller-manager.log",
+        )
         timings["kube-controller-manager"] = time.monotonic() - t0
-        log(f"kube-controller-manager ready in {timings['kube-controller-manager']:.1f}s (pid {pid})")
+        log(
+            f"kube-controller-manager ready in {timings['kube-controller-manager']:.1f}s "
+            f"(pid {pid})"
+        )
 
         # kube-scheduler
         t0 = time.monotonic()
         k = kcfg["kube-scheduler"]
-        pid = self.start("kube-scheduler", [
-            str(self.bd / "kube-scheduler"),
-            f"--kubeconfig={k}", f"--authentication-kubeconfig={k}", f"--authorization-kubeconfig={k}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}", "--v=1",
-        ])
-        wait_for("kube-scheduler", lambda: http_get(f"https://127.0.0.1:{ports['scheduler']}/readyz")[0] == 200,
-                 60, pid, st.logs / "kube-scheduler.log")
+        pid = self.start(
+            "kube-scheduler",
+            [
+                str(self.bd / "kube-scheduler"),
+                f"--kubeconfig={k}",
+                f"--authentication-kubeconfig={k}",
+                f"--authorization-kubeconfig={k}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={ports['scheduler']}",
+                "--v=1",
+            ],
+        )
+        wait_for(
+            "kube-scheduler",
+            lambda: http_get(f"https://127.0.0.1:{ports['scheduler']}/readyz")[0] == 200,
+            60,
+            pid,
+            st.logs / "kube-scheduler.log",
+        )
         timings["kube-scheduler"] = time.monotonic() - t0
         log(f"kube-scheduler ready in {timings['kube-scheduler']:.1f}s (pid {pid})")
 
         # kwok controller
         t0 = time.monotonic()
-        pid = self.start("kwok", [
-            str(self.bd / "kwok"),
-            f"--kubeconfig={kcfg['kwok']}", f"--config={KWOK_CONFIG}",
-            "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-            f"--cidr={POD_CIDR}", "--node-ip=10.0.0.1", f"--server-address=127.0.0.1:{ports['kwok']}",
-        ])
-        wait_for("kwok", lambda: http_get(f"http://127.0.0.1:{ports['kwok']}/healthz")[0] == 200, 60, pid,
-                 st.logs / "kwok.log")
+        pid = self.start(
+            "kwok",
+            [
+                str(self.bd / "kwok"),
+                f"--kubeconfig={kcfg['kwok']}",
+                f"--config={KWOK_CONFIG}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                f"--cidr={POD_CIDR}",
+                "--node-ip=10.0.0.1",
+                f"--server-address=127.0.0.1:{ports['kwok']}",
+            ],
+        )
+        wait_for(
+            "kwok",
+            lambda: http_get(f"http://127.0.0.1:{ports['kwok']}/healthz")[0] == 200,
+            60,
+            pid,
+            st.logs / "kwok.log",
+        )
         timings["kwok"] = time.monotonic() - t0
         log(f"kwok controller ready in {timings['kwok']:.1f}s (pid {pid})")
 
@@ -666,35 +933,57 @@ class Testbed:
         def nodes_ready() -> bool:
             out = self.kubectl("get", "nodes", "-o", "json").stdout
             ready = {
-                n["metadata"]["name"] for n in json.loads(out)["items"]
-                if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+                n["metadata"]["name"]
+                for n in json.loads(out)["items"]
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in n["status"].get("conditions", [])
+                )
             }
             return set(names) <= ready
 
         wait_for("nodes Ready", nodes_ready, 60, pid, st.logs / "kwok.log")
         timings["nodes"] = time.monotonic() - t0
-        log(f"{gpu_nodes} GPU node(s) x {gpus_per_node} {GPU_RESOURCE} + {cpu_nodes} CPU node(s) Ready in "
-            f"{timings['nodes']:.1f}s")
+        log(
+            f"{gpu_nodes} GPU node(s) x {gpus_per_node} {GPU_RESOURCE} + "
+            f"{cpu_nodes} CPU node(s) Ready in "
+            f"{timings['nodes']:.1f}s"
+        )
 
         # KubeRay CRDs + operator
         t0 = time.monotonic()
         crds = sorted((self.bd / "kuberay-crds").glob("*.yaml"))
         self.kubectl("apply", "--server-side", "--force-conflicts", *[f"-f={c}" for c in crds])
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                     *[f"crd/{c.name.removeprefix('ray.io_').removesuffix('.yaml')}.ray.io" for c in crds])
+        self.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            *[f"crd/{c.name.removeprefix('ray.io_').removesuffix('.yaml')}.ray.io" for c in crds],
+        )
         env = dict(os.environ, KUBECONFIG=kcfg["kuberay-operator"])
-        pid = self.start("kuberay-operator", [
-            str(self.bd / "ray-operator"),
-            f"--metrics-addr=127.0.0.1:{ports['kuberay-metrics']}",
-            f"--health-probe-bind-address=127.0.0.1:{ports['kuberay-probe']}",
-            "--enable-leader-election=false", "--log-stdout-encoder=console",
-        ], env=env)
-        wait_for("kuberay-operator",
-                 lambda: http_get(f"http://127.0.0.1:{ports['kuberay-probe']}/readyz")[0] == 200, 60, pid,
-                 st.logs / "kuberay-operator.log")
+        pid = self.start(
+            "kuberay-operator",
+            [
+                str(self.bd / "ray-operator"),
+                f"--metrics-addr=127.0.0.1:{ports['kuberay-metrics']}",
+                f"--health-probe-bind-address=127.0.0.1:{ports['kuberay-probe']}",
+                "--enable-leader-election=false",
+                "--log-stdout-encoder=console",
+            ],
+            env=env,
+        )
+        wait_for(
+            "kuberay-operator",
+            lambda: http_get(f"http://127.0.0.1:{ports['kuberay-probe']}/readyz")[0] == 200,
+            60,
+            pid,
+            st.logs / "kuberay-operator.log",
+        )
         timings["kuberay-operator"] = time.monotonic() - t0
-        log(f"KubeRay operator ready in {timings['kuberay-operator']:.1f}s (pid {pid}; CRDs: "
-            f"{', '.join(c.name for c in crds)})")
+        log(
+            f"KubeRay operator ready in {timings['kuberay-operator']:.1f}s (pid {pid}; CRDs: "
+            f"{', '.join(c.name for c in crds)})"
+        )
 
         # our CRD(s), if the repo has them
         ours = sorted((REPO / "crds").glob("*.yaml")) + sorted((REPO / "crds").glob("*.yml"))
@@ -706,7 +995,10 @@ class Testbed:
             if crd_names:
                 self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crd_names)
             timings["crds"] = time.monotonic() - t0
-            log(f"installed {', '.join(str(c.relative_to(REPO)) for c in ours)} in {timings['crds']:.1f}s")
+            log(
+                f"installed {', '.join(str(c.relative_to(REPO)) for c in ours)} "
+                f"in {timings['crds']:.1f}s"
+            )
         else:
             log("no crds/*.yaml in the repository; skipping our CRD")
 
@@ -766,7 +1058,9 @@ def status(st: State | None = None) -> bool:
         else:
             rss = rss_mib(rec["pid"]) if alive.get(name) else None
             extra = f", RSS {rss:.0f} MiB" if rss else ""
-            print(f"  {name:26s} {'alive' if alive.get(name) else 'DEAD'} (pid {rec['pid']}{extra})")
+            print(
+                f"  {name:26s} {'alive' if alive.get(name) else 'DEAD'} (pid {rec['pid']}{extra})"
+            )
     ok = st.healthy()
     print(f"test bed in {st.root}: {'healthy' if ok else 'NOT healthy'}")
     return ok
@@ -786,25 +1080,55 @@ def env_lines(st: State | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build or reuse the binaries")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     sub.add_parser("bin-dir", help="print the binary cache dir")
     u = sub.add_parser("up", help="start the test bed (idempotent)")
-    u.add_argument("--nodes", type=int, default=int(os.environ.get("VLLMDP_TESTBED_NODES", 4)),
-                   help="fake GPU nodes (env VLLMDP_TESTBED_NODES, default 4)")
-    u.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("VLLMDP_TESTBED_GPUS_PER_NODE", 8)),
-                   help="nvidia.com/gpu per node (env VLLMDP_TESTBED_GPUS_PER_NODE, default 8)")
-    u.add_argument("--cpu-nodes", type=int, default=int(os.environ.get("VLLMDP_TESTBED_CPU_NODES", 1)),
-                   help="untainted CPU-only nodes (env VLLMDP_TESTBED_CPU_NODES, default 1)")
-    u.add_argument("--gpu-product", default=os.environ.get("VLLMDP_TESTBED_GPU_PRODUCT", "NVIDIA-H100-80GB-HBM3"))
-    u.add_argument("--instance-type", default=os.environ.get("VLLMDP_TESTBED_INSTANCE_TYPE", "p5.48xlarge"))
-    u.add_argument("--etcd-port", type=int, default=None, help="default: a free port (env VLLMDP_TESTBED_ETCD_PORT)")
-    u.add_argument("--apiserver-port", type=int, default=None,
-                   help="default: a free port (env VLLMDP_TESTBED_APISERVER_PORT)")
+    u.add_argument(
+        "--nodes",
+        type=int,
+        default=int(os.environ.get("VLLMDP_TESTBED_NODES", 4)),
+        help="fake GPU nodes (env VLLMDP_TESTBED_NODES, default 4)",
+    )
+    u.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=int(os.environ.get("VLLMDP_TESTBED_GPUS_PER_NODE", 8)),
+        help="nvidia.com/gpu per node (env VLLMDP_TESTBED_GPUS_PER_NODE, default 8)",
+    )
+    u.add_argument(
+        "--cpu-nodes",
+        type=int,
+        default=int(os.environ.get("VLLMDP_TESTBED_CPU_NODES", 1)),
+        help="untainted CPU-only nodes (env VLLMDP_TESTBED_CPU_NODES, default 1)",
+    )
+    u.add_argument(
+        "--gpu-product",
+        default=os.environ.get("VLLMDP_TESTBED_GPU_PRODUCT", "NVIDIA-H100-80GB-HBM3"),
+    )
+    u.add_argument(
+        "--instance-type", default=os.environ.get("VLLMDP_TESTBED_INSTANCE_TYPE", "p5.48xlarge")
+    )
+    u.add_argument(
+        "--etcd-port",
+        type=int,
+        default=None,
+        help="default: a free port (env VLLMDP_TESTBED_ETCD_PORT)",
+    )
+    u.add_argument(
+        "--apiserver-port",
+        type=int,
+        default=None,
+        help="default: a free port (env VLLMDP_TESTBED_APISERVER_PORT)",
+    )
     u.add_argument("--keep-data", action="store_true", help="keep the etcd data of a previous run")
-    u.add_argument("--no-build", action="store_true", help="fail instead of building missing binaries")
+    u.add_argument(
+        "--no-build", action="store_true", help="fail instead of building missing binaries"
+    )
     sub.add_parser("down", help="stop what `up` started")
     sub.add_parser("env", help="print shell exports")
     sub.add_parser("status", help="show which components are alive")
@@ -825,8 +1149,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise BuildError(f"binaries missing in {bd}; run `build`")
             tb = Testbed(st, bd)
             try:
-                tb.up(a.nodes, a.gpus_per_node, a.cpu_nodes, a.etcd_port, a.apiserver_port, a.keep_data,
-                      a.gpu_product, a.instance_type)
+                tb.up(
+                    a.nodes,
+                    a.gpus_per_node,
+                    a.cpu_nodes,
+                    a.etcd_port,
+                    a.apiserver_port,
+                    a.keep_data,
+                    a.gpu_product,
+                    a.instance_type,
+                )
             except BaseException:
                 log(f"up failed; stopping what was started (logs stay in {st.logs})")
                 down(st)
