@@ -70,7 +70,9 @@ def render_resource(
             build_head_job(
                 resource.name,
                 resource.namespace,
+                resource.spec,
                 resource.plan,
+                options,
                 cluster_name,
                 FIRST_ATTEMPT,
                 owner,

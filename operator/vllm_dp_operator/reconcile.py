@@ -283,7 +283,7 @@ async def _converge_head_job(
                 return st.outcome(retry_after=wait)
         for old in jobs[:-1]:
             await kube.delete(RAYJOB, ns, old["metadata"]["name"])
-        body = build_head_job(res.name, ns, plan, cluster_name, next_attempt,
+        body = build_head_job(res.name, ns, spec, plan, cfg.render, cluster_name, next_attempt,
                               owner_reference(res.name, res.uid))  # fmt: skip
         await _create(kube, RAYJOB, body)
         job_name = body["metadata"]["name"]

@@ -216,7 +216,20 @@ def job_of(
     raw: dict[str, Any], cluster_name: str = "demo-abcde", attempt: int = 1, owner: Any = OWNER
 ) -> dict[str, Any]:
     spec = validate("demo", raw)
-    return build_head_job("demo", "ns", build_plan(spec), cluster_name, attempt, owner)
+    return build_head_job("demo", "ns", spec, build_plan(spec), OPTIONS, cluster_name, attempt,
+                          owner)  # fmt: skip
+
+
+def test_head_job_submitter_schedules_on_gpu_nodes_and_does_not_retry_itself() -> None:
+    job = job_of({**BASE, "tolerations": [{"key": "team", "operator": "Exists"}]})
+    pod = job["spec"]["submitterPodTemplate"]
+    keys = [t["key"] for t in pod["spec"]["tolerations"]]
+    assert keys == ["nvidia.com/gpu", "team"]
+    assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "demo"
+    (container,) = pod["spec"]["containers"]
+    assert "command" not in container  # KubeRay fills in `ray job submit`
+    assert container["image"] == OPTIONS.default_image
+    assert job["spec"]["submitterConfig"] == {"backoffLimit": 0}
 
 
 def test_head_job_runs_on_the_existing_cluster() -> None:
@@ -249,7 +262,7 @@ def test_head_job_runs_on_the_existing_cluster() -> None:
 def test_head_job_entrypoint_carries_the_launch_spec(raw: dict[str, Any]) -> None:
     spec = validate("demo", raw)
     plan = build_plan(spec)
-    job = build_head_job("demo", "ns", plan, "demo-abcde", 1, None)
+    job = build_head_job("demo", "ns", spec, plan, OPTIONS, "demo-abcde", 1, None)
     entrypoint = job["spec"]["entrypoint"]
     assert entrypoint == launcher_entrypoint(plan)
     argv = shlex.split(entrypoint)
@@ -294,7 +307,7 @@ def _hashes(raw: dict[str, Any]) -> tuple[str, str, str]:
     plan = build_plan(spec)
     cluster = build_raycluster("demo", "ns", spec, plan, OPTIONS, None)
     name = cluster["metadata"]["name"]
-    job = build_head_job("demo", "ns", plan, name, 1, None)
+    job = build_head_job("demo", "ns", spec, plan, OPTIONS, name, 1, None)
     return (
         cluster_hash("demo", spec, plan, OPTIONS),
         name,

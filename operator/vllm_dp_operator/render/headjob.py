@@ -7,8 +7,11 @@ import shlex
 from typing import Any
 
 from vllm_dp_operator import constants, names
+from vllm_dp_operator.config import RenderOptions
+from vllm_dp_operator.models import VLLMDataParallelSpec
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.render.meta import metadata
+from vllm_dp_operator.render.raycluster import gpu_tolerations
 
 LAUNCHER_MODULE = "vllm_dp_launcher"
 
@@ -24,10 +27,38 @@ def job_hash(plan: Plan, cluster_name: str) -> str:
     return names.content_hash({"cluster": cluster_name, "plan": plan.launch_spec()})
 
 
+def _submitter_template(
+    instance: str, spec: VLLMDataParallelSpec, options: RenderOptions
+) -> dict[str, Any]:
+    # KubeRay's default submitter pod has no tolerations and never schedules on a cluster of
+    # tainted GPU nodes alone; KubeRay still fills in the `ray job submit` command.
+    return {
+        "metadata": {"labels": names.instance_labels(instance, constants.COMPONENT_HEAD_JOB)},
+        "spec": {
+            "restartPolicy": "Never",
+            "enableServiceLinks": False,
+            "tolerations": gpu_tolerations(spec),
+            "containers": [
+                {
+                    "name": "ray-job-submitter",
+                    "image": spec.image or options.default_image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "256Mi"},
+                        "limits": {"cpu": "1", "memory": "1Gi"},
+                    },
+                }
+            ],
+        },
+    }
+
+
 def build_head_job(
     instance: str,
     namespace: str,
+    spec: VLLMDataParallelSpec,
     plan: Plan,
+    options: RenderOptions,
     cluster_name: str,
     attempt: int,
     owner: dict[str, Any] | None,
@@ -49,5 +80,8 @@ def build_head_job(
             "clusterSelector": {constants.LABEL_RAY_CLUSTER: cluster_name},
             "submissionMode": "K8sJobMode",
             "shutdownAfterJobFinishes": False,
+            # One retry mechanism: the operator's backoff, not the submitter Job's as well.
+            "submitterConfig": {"backoffLimit": 0},
+            "submitterPodTemplate": _submitter_template(instance, spec, options),
         },
     }

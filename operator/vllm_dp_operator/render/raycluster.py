@@ -55,6 +55,14 @@ def _head_ports(spec: VLLMDataParallelSpec) -> list[dict[str, Any]]:
     ]
 
 
+def gpu_tolerations(spec: VLLMDataParallelSpec) -> list[dict[str, Any]]:
+    """Tolerate the GPU resource taint GPU nodes commonly carry, plus the user's own."""
+    return [
+        {"key": spec.gpu.resource_name, "operator": "Exists", "effect": "NoSchedule"},
+        *copy.deepcopy(spec.tolerations),
+    ]
+
+
 def _pod_template(
     instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions, head: bool
 ) -> dict[str, Any]:
@@ -82,10 +90,7 @@ def _pod_template(
     }
     if head:
         container["ports"] = _head_ports(spec)
-    tolerations = [
-        {"key": spec.gpu.resource_name, "operator": "Exists", "effect": "NoSchedule"},
-        *spec.tolerations,
-    ]
+    tolerations = gpu_tolerations(spec)
     pod: dict[str, Any] = {
         # A Service named like vLLM's settings would inject VLLM_PORT=tcp://... (vllm#34199).
         "enableServiceLinks": False,
