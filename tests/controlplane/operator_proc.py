@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from vllm_dp_operator.crd import build_crd
 
 # Short timings so relaunch and resync scenarios finish in seconds.
@@ -41,11 +40,14 @@ class OperatorProcess:
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        #: Watch one namespace (kopf --namespace) instead of all of them.
+        self.namespace: str | None = None
 
     def start(self) -> None:
         self.port = _free_port()
+        scope = [f"--namespace={self.namespace}"] if self.namespace else ["--all-namespaces"]
         cmd = [
-            sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
+            sys.executable, "-m", "kopf", "run", "--standalone", *scope,
             f"--liveness=http://127.0.0.1:{self.port}/healthz",
             "-m", "vllm_dp_operator.handlers",
         ]  # fmt: skip
