@@ -25,8 +25,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=constants.GROUP, key="last-handled-configuration"
     )
+    # kopf holds this finalizer while the resync timer runs, so the timer stops cleanly.
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
-    settings.posting.level = 30  # WARNING: our own events are posted explicitly
     kube = await ApiKube.connect()
     memo.kube = kube
     memo.probe = make_probe(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
