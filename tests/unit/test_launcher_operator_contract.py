@@ -55,3 +55,27 @@ def test_rendered_plan_is_accepted_by_the_launcher(
 def test_there_are_examples() -> None:
     """The parametrised test above must not pass by having nothing to check."""
     assert len(EXAMPLES) >= 3
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_render_and_launcher_dry_run_agree_on_the_command(
+    example: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real `python -m vllm_dp_launcher ... --dry-run` prints the operator plan's command."""
+    import subprocess
+    import sys
+
+    import yaml
+    from vllm_dp_operator.plan import build_plan
+    from vllm_dp_operator.validation import validate
+
+    doc = yaml.safe_load(example.read_text())
+    want = build_plan(validate(doc["metadata"]["name"], doc["spec"]))
+    argv = shlex.split(head_job_entrypoint(example, capsys))
+    proc = subprocess.run(
+        [sys.executable, *argv[1:], "--dry-run", "--node-ip", "10.1.2.3"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    report = json.loads(proc.stdout)
+    assert report["command"] == [*want.command, "--data-parallel-address", "10.1.2.3"]
+    assert {k: report["env"][k] for k, _ in want.env} == dict(want.env)
