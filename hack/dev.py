@@ -31,7 +31,7 @@ def _testbed(*args: str) -> None:
 
 
 def _kubectl(*args: str, input: str | None = None, capture: bool = True) -> str:
-    kubectl = json.loads((STATE / "state.json").read_text()).get("bin_dir")
+    kubectl = json.loads((STATE / "testbed.json").read_text()).get("bin_dir")
     exe = str(Path(kubectl) / "kubectl") if kubectl else "kubectl"
     proc = subprocess.run([exe, f"--kubeconfig={STATE / 'kubeconfig'}", *args], input=input,
                           text=True, capture_output=capture, check=True)  # fmt: skip

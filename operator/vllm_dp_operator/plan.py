@@ -132,7 +132,9 @@ def _span_pods(dp: int, tp: int, gpus_per_pod: int) -> list[PodPlan]:
     ]
 
 
-def build_command(spec: VLLMDataParallelSpec, ranks_per_node: int) -> tuple[str, ...]:
+def build_command(
+    spec: VLLMDataParallelSpec, ranks_per_node: int, gpus_per_pod: int
+) -> tuple[str, ...]:
     """The vllm serve argv, without the DP address only the launcher can know."""
     cmd = [
         "vllm", "serve", spec.model,
@@ -143,6 +145,10 @@ def build_command(spec: VLLMDataParallelSpec, ranks_per_node: int) -> tuple[str,
         "--data-parallel-size-local", str(ranks_per_node),
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
     ]  # fmt: skip
+    if spec.tensor_parallel_size > gpus_per_pod:
+        # A rank wider than one pod: vLLM checks the world size against the head's GPUs
+        # before it looks at the DP backend, and needs the Ray executor named (vllm#25775).
+        cmd += ["--distributed-executor-backend", "ray"]
     if spec.served_model_name:
         cmd += ["--served-model-name", spec.served_model_name]
     if spec.api_server_count is not None:
@@ -191,6 +197,6 @@ def build_plan(spec: VLLMDataParallelSpec) -> Plan:
         gpus_per_pod=per_pod,
         pods=tuple(pods),
         port=spec.service.port,
-        command=build_command(spec, per_node),
+        command=build_command(spec, per_node, per_pod),
         env=build_env(spec),
     )

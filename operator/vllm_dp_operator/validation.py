@@ -80,7 +80,7 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag(
         _flag("--distributed-executor-backend"),
         "--distributed-executor-backend",
-        "nothing: the ray data-parallel backend forces the ray executor",
+        "nothing: the operator sets it to ray where one rank spans several pods",
     ),
     OwnedFlag(
         _flag("--tensor-parallel-size", "-tp"), "--tensor-parallel-size", "spec.tensorParallelSize"

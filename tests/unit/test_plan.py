@@ -92,6 +92,14 @@ def test_span_each_rank_over_two_pods() -> None:
         (3, "worker", (1,), 8),
     ]
     assert plan.total_gpus == 32
+    # vLLM rejects a world size above the head's GPUs unless the Ray executor is named.
+    i = plan.command.index("--distributed-executor-backend")
+    assert plan.command[i + 1] == "ray"
+
+
+def test_executor_left_to_vllm_when_a_rank_fits_one_pod() -> None:
+    plan = plan_of(dataParallel=dp(8, 4), tensorParallelSize=2, gpu={"perPod": 8})
+    assert "--distributed-executor-backend" not in plan.command
 
 
 def test_span_one_pod_per_rank() -> None:
