@@ -65,7 +65,8 @@ async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     await _run(body, patch, memo)
 
 
-@kopf.timer(*RESOURCE, interval=CONFIG.resync_seconds)
+# The first tick waits one interval: the change handlers already reconcile a new object.
+@kopf.timer(*RESOURCE, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
 async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Level-triggered resync: children's progress is read on every tick."""
     await _run(body, patch, memo)
