@@ -159,3 +159,45 @@ def test_chart_crd_matches_cluster_crd(testbed: RunningTestbed) -> None:
     assert [v["name"] for v in stored["spec"]["versions"]] == \
         [v["name"] for v in shipped["spec"]["versions"]]
     assert stored["spec"]["versions"][0]["schema"] == shipped["spec"]["versions"][0]["schema"]
+
+
+def test_helm_install_then_example_reaches_the_integration_state(
+    testbed: RunningTestbed, testbed_namespace: str, release: str, tmp_path: Path
+) -> None:
+    """`helm install`, then `kubectl apply -f examples/...`: the same children as the tier.
+
+    kwok runs no containers, so the Deployment's own command and environment are run here as
+    a process, logged in with a token of the ServiceAccount the chart installed.
+    """
+    ns = testbed_namespace
+    full = f"{release}-vllm-dp-operator"
+    _helm(testbed, "install", release, str(chartlib.renderable_chart()), f"--namespace={ns}",
+          f"--values={chartlib.CHART / 'ci' / 'apiserver-proxy-values.yaml'}")
+    dep = _get(testbed, "deployment", full, "-n", ns)
+    assert dep is not None
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    token = testbed.kubectl("create", "token", full, "-n", ns).stdout.strip()
+    kubeconfig = chartlib.sa_kubeconfig(tmp_path / "sa.kubeconfig", testbed.kubeconfig, token)
+    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
+           "KUBECONFIG": str(kubeconfig), "VLLMDP_RESYNC_SECONDS": "1"}
+    # Everything as the Deployment says, but the liveness port, which a test must not bind.
+    args = [a for a in container["args"] if not a.startswith("--liveness")]
+    log = (tmp_path / "operator.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", *container["command"], *args], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        testbed.kubectl("apply", "-n", ns, "-f", str(chartlib.REPO / "examples" / "dp4-tp2.yaml"))
+        vdp = testbed.wait_until("the example to reach Launching", lambda: (
+            (v := _get(testbed, "vdp", "llama8b-dp4-tp2", "-n", ns))
+            and v.get("status", {}).get("phase") == "Launching" and v), 120)
+        st = vdp["status"]
+        assert _get(testbed, "raycluster", st["rayCluster"], "-n", ns) is not None
+        assert _get(testbed, "rayjob", st["headJob"], "-n", ns) is not None
+        assert _get(testbed, "service", "llama8b-dp4-tp2-api", "-n", ns) is not None
+        testbed.kubectl("delete", "vdp", "llama8b-dp4-tp2", "-n", ns, "--timeout=60s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    text = (tmp_path / "operator.log").read_text(errors="replace")
+    assert "forbidden" not in text.lower(), text[-3000:]
