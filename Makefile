@@ -24,7 +24,7 @@ venv: $(BIN)/python ## Create .venv and install the operator, the launcher and t
 	$(BIN)/python -m pip install -q -e '.[test,ray]' -e ./engine_image
 
 lint: ## ruff and mypy
-	$(BIN)/ruff check operator engine_image tests
+	$(BIN)/ruff check operator engine_image tests hack bench
 	$(BIN)/mypy operator/vllm_dp_operator engine_image/vllm_dp_launcher
 
 crds: ## Regenerate the CRD (crds/ and the chart) from the pydantic models
