@@ -17,12 +17,20 @@ from vllm_dp_operator.crd import build_crd
 
 # Short timings so relaunch and resync scenarios finish in seconds.
 OPERATOR_ENV = {
-    "VLLMDP_HEALTH_PROBE": "apiserver-proxy",
     "VLLMDP_RESYNC_SECONDS": "1",
     "VLLMDP_BACKOFF_BASE_SECONDS": "2",
     "VLLMDP_BACKOFF_CAP_SECONDS": "8",
     "VLLMDP_HEALTH_TIMEOUT_SECONDS": "1",
 }
+
+
+def probe_mode(env: dict[str, str]) -> str:
+    """apiserver-proxy where the test bed routes pod IPs into its own namespace, else off.
+
+    Without that pod network a proxied probe would send traffic to a pod IP off this machine.
+    """
+    state = Path(env.get("VLLMDP_TESTBED_DIR") or ".testbed")
+    return "apiserver-proxy" if (state / "pod_network.json").exists() else "off"
 
 
 def _free_port() -> int:
@@ -36,7 +44,8 @@ class OperatorProcess:
     """One `kopf run` child process, started and stopped by PID."""
 
     def __init__(self, env: dict[str, str], log: Path, extra_env: dict[str, str] | None = None):
-        self.env = {**env, **OPERATOR_ENV, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+        self.env = {**env, **OPERATOR_ENV, "VLLMDP_HEALTH_PROBE": probe_mode(env),
+                    **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0

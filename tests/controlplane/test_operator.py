@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -279,3 +281,33 @@ def test_sigkill_mid_reconcile_then_restart_converges_without_duplicates(
         assert len(items(testbed, ns, "rayclusters", selector)) == 1
         assert len(items(testbed, ns, "rayjobs", selector)) == 1
         assert len(items(testbed, ns, "services", selector)) == 1
+
+
+def test_serving_once_health_answers_through_the_service(
+    testbed: Any, operator: OperatorProcess, ns: str
+) -> None:
+    """/health through the API server's service proxy, answered by a test host.
+
+    The test bed routes pod IPs into a network namespace of its own; a /health double runs
+    there, so the operator's real probe path (Service, endpoints, service proxy) is exercised.
+    """
+    net = testbed.info.get("pod_network")
+    if not net:
+        pytest.fail("the test bed has no pod network (needs root and iproute2)", pytrace=False)
+    doc = example("dp4-tp2.yaml")
+    doc["metadata"]["name"] = "serving"
+    apply(testbed, ns, doc)
+    wait_phase(testbed, ns, "serving", "Launching")
+    server = subprocess.Popen(["ip", "netns", "exec", net["netns"], sys.executable,
+                               str(REPO / "tests" / "doubles" / "health_server.py"),
+                               "--port", "8000"])  # fmt: skip
+    try:
+        st = wait_phase(testbed, ns, "serving", "Serving", timeout=60)
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "True" and "200" in ready["message"]
+        assert any(e.get("reason") == "EngineHealthy" for e in items(testbed, ns, "events"))
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    st = wait_phase(testbed, ns, "serving", "Launching", timeout=60)
+    assert "not answering" in st["message"]

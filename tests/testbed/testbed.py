@@ -38,6 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import podnet
 import yaml
 
 HERE = Path(__file__).resolve().parent
@@ -61,6 +62,8 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_RESOURCE = "nvidia.com/gpu"
 SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"
+# kwok gives every simulated node this address (--node-ip); routed into the pod network too.
+NODE_IP = "10.0.0.1"
 
 # kube-controller-manager controllers (names as of v1.36; see `--help`). Node lifecycle, IPAM,
 # CSR signing, volumes and cloud controllers are left out: there is no kubelet to watch.
@@ -688,6 +691,8 @@ class Testbed:
             shutil.rmtree(st.root / "etcd")
         t_up = time.monotonic()
         timings: dict[str, float] = {}
+        # Before anything runs: traffic to pod and service IPs must stay on this machine.
+        net = start_pod_network(st)
         etcd = find_etcd(install=False)
         make_pki(st.pki)
 
@@ -907,7 +912,7 @@ class Testbed:
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
                 f"--cidr={POD_CIDR}",
-                "--node-ip=10.0.0.1",
+                f"--node-ip={NODE_IP}",
                 f"--server-address=127.0.0.1:{ports['kwok']}",
             ],
         )
@@ -1004,6 +1009,7 @@ class Testbed:
 
         total = time.monotonic() - t_up
         info = st.info()
+        info["pod_network"] = net.to_json() if net else None
         info["timings"] = {k: round(v, 2) for k, v in timings.items()}
         info["up_seconds"] = round(total, 2)
         st.info_file.write_text(json.dumps(info, indent=2) + "\n")
@@ -1012,10 +1018,38 @@ class Testbed:
         log(f"up in {total:.1f}s. export KUBECONFIG={st.kubeconfig}")
 
 
+def start_pod_network(st: State) -> podnet.PodNetwork | None:
+    """Route the pod and service CIDRs into a namespace of ours (see podnet.py)."""
+    try:
+        net = podnet.up(st.root, (POD_CIDR, SERVICE_CIDR, f"{NODE_IP}/32"))
+    except (PodNetError, OSError) as exc:
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            raise
+        log(f"pod network not set up ({exc}); pod IPs are unreachable, so run the operator "
+            "with VLLMDP_HEALTH_PROBE=off")
+        return None
+    (st.root / "pod_network.json").write_text(json.dumps(net.to_json()) + "\n")
+    log(f"pod network: {', '.join(net.cidrs)} routed into netns {net.netns}")
+    return net
+
+
+def stop_pod_network(st: State) -> None:
+    """Remove what start_pod_network made, as recorded in the state dir."""
+    record = st.root / "pod_network.json"
+    if record.exists():
+        podnet.down(podnet.PodNetwork.from_json(json.loads(record.read_text())))
+        record.unlink()
+        log("pod network removed")
+
+
+PodNetError = podnet.PodNetworkError
+
+
 def down(st: State | None = None, timeout: float = 10.0) -> None:
     st = st or State()
     pids = st.pids()
     if not pids:
+        stop_pod_network(st)
         log(f"nothing recorded in {st.root}; nothing to stop")
         return
     for name in reversed([*COMPONENTS, *[n for n in pids if n not in COMPONENTS]]):
@@ -1042,6 +1076,7 @@ def down(st: State | None = None, timeout: float = 10.0) -> None:
         del pids[name]
         st.save_pids(pids)
     st.pids_file.unlink(missing_ok=True)
+    stop_pod_network(st)
 
 
 def status(st: State | None = None) -> bool:
