@@ -13,7 +13,10 @@ at once. `down` removes the routes, the veth pair and the namespace.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,11 @@ from typing import Any
 # Link-local addresses for the two ends of the veth pair: never routed anywhere else.
 HOST_END = "169.254.77.1"
 NS_END = "169.254.77.2"
+
+
+# Which state dir made which namespace: lets a new test bed reclaim the network of one whose
+# processes are gone (network config outlives processes), and refuse one that is still up.
+REGISTRY = Path("/run/vllmdp-testbed-podnet")
 
 
 class PodNetworkError(RuntimeError):
@@ -60,17 +68,29 @@ def names_for(state_dir: Path) -> tuple[str, str]:
     return f"vdptb-{tag}", f"vdptb{tag}"
 
 
-def up(state_dir: Path, cidrs: tuple[str, ...]) -> PodNetwork:
+def _reclaim_stale(cidr: str, is_live: Callable[[Path], bool]) -> None:
+    """Remove another state dir's pod network holding `cidr` if its test bed is gone."""
+    existing = _ip("route", "show", cidr, check=False).stdout.strip()
+    if not existing:
+        return
+    match = re.search(r"dev (vdptb[0-9a-f]{6})\b", existing)
+    record = REGISTRY / f"{match.group(1)}.json" if match else None
+    if record is None or not record.exists():
+        raise PodNetworkError(f"{cidr} is already routed ({existing}), not by a test bed")
+    data = json.loads(record.read_text())
+    if is_live(Path(data["state_dir"])):
+        raise PodNetworkError(f"{cidr} is routed to the test bed in {data['state_dir']}, "
+                              "which is up: stop it first")  # fmt: skip
+    down(PodNetwork.from_json(data["network"]))
+
+
+def up(state_dir: Path, cidrs: tuple[str, ...], is_live: Callable[[Path], bool]) -> PodNetwork:
     """Create the namespace and route the CIDRs into it; undo everything on failure."""
     netns, veth = names_for(state_dir)
     net = PodNetwork(netns, veth, cidrs)
     down(net)  # leftovers of an earlier run of this same state dir
     for cidr in cidrs:
-        existing = _ip("route", "show", cidr, check=False).stdout.strip()
-        if existing:
-            raise PodNetworkError(
-                f"{cidr} is already routed ({existing}); is another test bed up?"
-            )
+        _reclaim_stale(cidr, is_live)
     try:
         _ip("netns", "add", netns)
         _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}n")
@@ -88,6 +108,10 @@ def up(state_dir: Path, cidrs: tuple[str, ...]) -> PodNetwork:
     except PodNetworkError:
         down(net)
         raise
+    REGISTRY.mkdir(mode=0o700, exist_ok=True)
+    (REGISTRY / f"{veth}.json").write_text(
+        json.dumps({"state_dir": str(state_dir.resolve()), "network": net.to_json()})
+    )
     return net
 
 
@@ -99,3 +123,4 @@ def down(net: PodNetwork) -> None:
             _ip("route", "del", cidr, check=False)
     _ip("link", "del", net.veth, check=False)  # deletes both ends
     _ip("netns", "del", net.netns, check=False)
+    (REGISTRY / f"{net.veth}.json").unlink(missing_ok=True)

@@ -1021,7 +1021,8 @@ class Testbed:
 def start_pod_network(st: State) -> podnet.PodNetwork | None:
     """Route the pod and service CIDRs into a namespace of ours (see podnet.py)."""
     try:
-        net = podnet.up(st.root, (POD_CIDR, SERVICE_CIDR, f"{NODE_IP}/32"))
+        net = podnet.up(st.root, (POD_CIDR, SERVICE_CIDR, f"{NODE_IP}/32"),
+                        is_live=lambda root: any(State(root).alive().values()))
     except (PodNetError, OSError) as exc:
         if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
             raise
