@@ -20,8 +20,6 @@ only: neither the operator nor the launcher is installed in that virtualenv.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import sys
@@ -30,24 +28,12 @@ from typing import Any
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
-
-def serve_parser() -> Any:
-    """Build the parser of ``vllm <subcommand>`` with only ``serve`` registered."""
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
-    subparsers = parser.add_subparsers(required=True, dest="subparser")
-    ServeSubcommand().subparser_init(subparsers)
-    return parser
+from vllm_serve_args import engine_args, parallel_config, serve_parser
 
 
 def check_case(parser: Any, case: dict[str, Any]) -> dict[str, Any]:
     """Check one case; never raises."""
     import vllm.envs as envs
-    from vllm.config import ParallelConfig
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
 
     errors: list[str] = []
     facts: dict[str, Any] = {}
@@ -58,17 +44,11 @@ def check_case(parser: Any, case: dict[str, Any]) -> dict[str, Any]:
         if command[:2] != ["vllm", "serve"]:
             errors.append(f"command must start with 'vllm serve', got {command[:2]}")
             return {"name": case["name"], "ok": False, "errors": errors, "facts": facts}
-        stderr = io.StringIO()
         try:
-            with contextlib.redirect_stderr(stderr):
-                args = parser.parse_args(command[1:])
-        except SystemExit:
-            errors.append(f"vllm's parser rejected the command: {stderr.getvalue().strip()}")
+            args, engine = engine_args(parser, command)
+        except ValueError as exc:
+            errors.append(str(exc))
             return {"name": case["name"], "ok": False, "errors": errors, "facts": facts}
-        validate_parsed_serve_args(args)
-        if getattr(args, "model_tag", None):
-            args.model = args.model_tag
-        engine = EngineArgs.from_cli_args(args)
         facts.update(
             model=engine.model,
             data_parallel_size=engine.data_parallel_size,
@@ -83,20 +63,7 @@ def check_case(parser: Any, case: dict[str, Any]) -> dict[str, Any]:
         for key, want in case.get("expect", {}).items():
             if facts.get(key) != want:
                 errors.append(f"{key}: vLLM read {facts.get(key)!r}, the plan says {want!r}")
-        parallel = ParallelConfig(
-            pipeline_parallel_size=engine.pipeline_parallel_size,
-            tensor_parallel_size=engine.tensor_parallel_size,
-            data_parallel_size=engine.data_parallel_size,
-            data_parallel_rank=engine.data_parallel_rank or 0,
-            data_parallel_external_lb=False,
-            data_parallel_size_local=engine.data_parallel_size_local,
-            data_parallel_master_ip=engine.data_parallel_address,
-            data_parallel_backend=engine.data_parallel_backend,
-            data_parallel_hybrid_lb=engine.data_parallel_hybrid_lb,
-            enable_expert_parallel=engine.enable_expert_parallel,
-            distributed_executor_backend=engine.distributed_executor_backend,
-            nnodes=engine.nnodes,
-        )
+        parallel = parallel_config(engine)
         facts.update(
             distributed_executor_backend=parallel.distributed_executor_backend,
             world_size=parallel.world_size,

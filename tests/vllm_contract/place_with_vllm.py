@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import io
 import json
 import logging
 import os
@@ -62,6 +61,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from vllm_serve_args import engine_args, parallel_config, serve_parser
 
 HEAD_IP = "127.0.0.2"
 READY_TIMEOUT_S = 20.0
@@ -150,49 +151,12 @@ def install_gpu_platform() -> dict[str, Any]:
     return facts
 
 
-def serve_parser() -> Any:
-    """Build the parser of ``vllm <subcommand>`` with only ``serve`` registered."""
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
-    subparsers = parser.add_subparsers(required=True, dest="subparser")
-    ServeSubcommand().subparser_init(subparsers)
-    return parser
-
-
 def vllm_config_for(parser: Any, command: list[str]) -> Any:
     """Parse ``command`` as ``vllm serve`` does; build the VllmConfig's ParallelConfig."""
-    from vllm.config import ParallelConfig, VllmConfig
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
+    from vllm.config import VllmConfig
 
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            args = parser.parse_args(command[1:])
-    except SystemExit as exc:
-        raise ValueError(f"vllm's parser rejected the command: {stderr.getvalue()}") from exc
-    validate_parsed_serve_args(args)
-    if getattr(args, "model_tag", None):
-        args.model = args.model_tag
-    engine = EngineArgs.from_cli_args(args)
-    parallel = ParallelConfig(
-        pipeline_parallel_size=engine.pipeline_parallel_size,
-        tensor_parallel_size=engine.tensor_parallel_size,
-        data_parallel_size=engine.data_parallel_size,
-        data_parallel_rank=engine.data_parallel_rank or 0,
-        data_parallel_external_lb=False,
-        data_parallel_size_local=engine.data_parallel_size_local,
-        data_parallel_master_ip=engine.data_parallel_address,
-        data_parallel_backend=engine.data_parallel_backend,
-        data_parallel_hybrid_lb=engine.data_parallel_hybrid_lb,
-        enable_expert_parallel=engine.enable_expert_parallel,
-        all2all_backend=engine.all2all_backend,
-        distributed_executor_backend=engine.distributed_executor_backend,
-        nnodes=engine.nnodes,
-    )
-    return VllmConfig(parallel_config=parallel)
+    _, engine = engine_args(parser, command)
+    return VllmConfig(parallel_config=parallel_config(engine))
 
 
 def node_ips() -> dict[str, str]:

@@ -33,8 +33,8 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 VENV = Path(os.environ.get("VLLM_CONTRACT_VENV") or CACHE / "vllm-dp-operator" / "vllm-venv")
 
 
-def rendered_plan(example: Path) -> LaunchPlan:
-    """Render an example with the operator's CLI; parse the plan in its head job's entrypoint."""
+def render_items(example: Path) -> list[dict[str, Any]]:
+    """Render an example with the operator's CLI (`vllm-dp render -o json`)."""
     result = subprocess.run(
         [sys.executable, "-m", "vllm_dp_operator.cli", "render", "-f", str(example), "-o", "json"],
         capture_output=True,
@@ -42,11 +42,21 @@ def rendered_plan(example: Path) -> LaunchPlan:
         check=False,
     )
     assert result.returncode == 0, f"vllm-dp render -f {example.name} failed: {result.stderr}"
-    items = json.loads(result.stdout)["items"]
+    items: list[dict[str, Any]] = json.loads(result.stdout)["items"]
+    return items
+
+
+def plan_in_head_job(items: list[dict[str, Any]]) -> LaunchPlan:
+    """The launcher's reading of the plan in the rendered head job's entrypoint."""
     (job,) = [item for item in items if item["kind"] == "RayJob"]
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[:3] == ["python", "-m", "vllm_dp_launcher"], argv
     return read_plan(build_parser().parse_args(argv[3:]))
+
+
+def rendered_plan(example: Path) -> LaunchPlan:
+    """Render an example; parse the plan in its head job's entrypoint."""
+    return plan_in_head_job(render_items(example))
 
 
 def case(name: str, plan: LaunchPlan) -> dict[str, Any]:

@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import shlex
 import subprocess
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,8 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_accepts_plans import EXAMPLES, HERE, ROOT, VENV
-from vllm_dp_launcher.cli import build_parser, read_plan
+from test_vllm_accepts_plans import EXAMPLES, HERE, ROOT, VENV, plan_in_head_job, render_items
 from vllm_dp_launcher.command import build_command, engine_env_overrides
 from vllm_dp_launcher.plan import LaunchPlan
 
@@ -83,19 +80,9 @@ def pod_cpus(resources: dict[str, Any]) -> int:
 
 def render(example: Path) -> Example:
     """Render an example with the operator's CLI: the plan in its head job, its pods' CPUs."""
-    result = subprocess.run(
-        [sys.executable, "-m", "vllm_dp_operator.cli", "render", "-f", str(example), "-o", "json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, f"vllm-dp render -f {example.name} failed: {result.stderr}"
-    items = json.loads(result.stdout)["items"]
-    (job,) = [item for item in items if item["kind"] == "RayJob"]
+    items = render_items(example)
     (cluster,) = [item for item in items if item["kind"] == "RayCluster"]
-    argv = shlex.split(job["spec"]["entrypoint"])
-    assert argv[:3] == ["python", "-m", "vllm_dp_launcher"], argv
-    plan = read_plan(build_parser().parse_args(argv[3:]))
+    plan = plan_in_head_job(items)
     groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"].get("workerGroupSpecs", [])]
     cpus = min(
         pod_cpus(group["template"]["spec"]["containers"][0].get("resources", {}))
@@ -120,6 +107,14 @@ def sets_ray_executor(command: Sequence[str]) -> bool:
     return "=".join(RAY_EXECUTOR) in joined
 
 
+def without_ray_executor(command: Sequence[str]) -> list[str]:
+    """``command`` with ``--distributed-executor-backend ray`` taken out."""
+    out = list(command)
+    i = out.index(RAY_EXECUTOR[0])
+    assert out[i : i + 2] == RAY_EXECUTOR, out
+    return out[:i] + out[i + 2 :]
+
+
 def requests(examples: dict[str, Example]) -> list[dict[str, Any]]:
     """Group the examples (and the controls) by pod shape: one Ray cluster per shape."""
     groups: dict[tuple[int, int], dict[str, Any]] = {}
@@ -131,12 +126,12 @@ def requests(examples: dict[str, Example]) -> list[dict[str, Any]]:
         )
         group["cpusPerPod"] = min(group["cpusPerPod"], ex.cpus_per_pod)
         group["cases"].append(case(ex.name, ex.plan))
-        if ex.plan.pack_strategy == "span" and not sets_ray_executor(ex.plan.command):
-            # The rendered span command lacks the flag vLLM asks for (see the span test):
-            # also place it with the flag, so the placement itself is still checked.
-            good = case(ex.name, ex.plan)
-            good.update(name=f"{ex.name}+ray-executor", command=good["command"] + RAY_EXECUTOR)
-            group["cases"].append(good)
+        if ex.plan.pack_strategy == "span":
+            # Control: why the plan names the Ray executor for a rank wider than one pod.
+            bare = case(ex.name, ex.plan)
+            bare.update(name="control-span-without-ray-executor",
+                        command=without_ray_executor(bare["command"]))  # fmt: skip
+            group["cases"].append(bare)
     fill, dp8 = examples["fill"].plan, examples["dp8-rpn4-tp1"].plan
     shape = (fill.gpu_pods, fill.gpus_per_pod)
     assert (dp8.gpu_pods, dp8.gpus_per_pod) == shape, "the controls expect one 2 x 4 cluster"
@@ -259,25 +254,20 @@ def test_vllm_places_the_plan(
 
 
 def test_vllm_places_span_plan(examples: dict[str, Example], placed: dict[str, Any]) -> None:
-    """span, as the launcher runs it, places each TP-16 rank on two whole 8-GPU nodes.
-
-    On a CUDA head with 8 GPUs and world size 16, vLLM's ParallelConfig does not pick the Ray
-    executor by itself (vllm#25775 removed that fallback): without
-    ``--distributed-executor-backend ray`` it raises "World size (16) is larger than the
-    number of available GPUs (8) in this node" before any placement. The CPU platform of
-    test_vllm_accepts_plans skips that check, so only this test sees it.
-    """
+    """span, as the launcher runs it, places each TP-16 rank on two whole 8-GPU nodes."""
+    assert sets_ray_executor(examples["span"].plan.command)
     check_placement(examples["span"].plan, placed["results"]["span"])
 
 
-def test_vllm_places_span_with_ray_executor(
-    examples: dict[str, Example], placed: dict[str, Any]
-) -> None:
-    """With --distributed-executor-backend ray, vLLM places span's ranks as planned."""
-    name = "span+ray-executor"
-    if name not in placed["results"]:
-        pytest.skip("the rendered span command already sets --distributed-executor-backend ray")
-    check_placement(examples["span"].plan, placed["results"][name])
+def test_span_needs_the_ray_executor_named(placed: dict[str, Any]) -> None:
+    """Without the flag, vLLM rejects a world size above the head's GPUs before placing.
+
+    On a CUDA head with 8 GPUs and world size 16, vLLM's ParallelConfig does not pick the Ray
+    executor by itself (vllm#25775 removed that fallback), hence the flag in the plan. The CPU
+    platform of test_vllm_accepts_plans skips that check, so only this tier sees it.
+    """
+    error = placed["results"]["control-span-without-ray-executor"]["error"] or ""
+    assert "World size (16) is larger than the number of available GPUs (8)" in error, error
 
 
 def test_the_placement_check_can_fail(examples: dict[str, Example], placed: dict[str, Any]) -> None:
