@@ -187,6 +187,26 @@ async def _ensure_cluster(
     return current
 
 
+async def _prune_jobs(
+    kube: Kube, ns: str, jobs: list[dict[str, Any]], want_hash: str, suspend: bool, st: _Status
+) -> list[dict[str, Any]]:
+    """Delete head jobs that run something else (or any, when suspended); return the rest."""
+    current = []
+    for job in jobs:
+        if job["metadata"].get("deletionTimestamp"):
+            continue
+        if _label(job, c.LABEL_JOB_HASH) == want_hash and not suspend:
+            current.append(job)
+            continue
+        await kube.delete(RAYJOB, ns, job["metadata"]["name"])
+        if not suspend:
+            st.event(
+                c.EVENT_NORMAL, c.REASON_ENGINE_CHANGED,
+                f"Deleted head job {job['metadata']['name']}: what it runs has changed",
+            )  # fmt: skip
+    return current
+
+
 async def _provisioning(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, plan: Plan,
     cluster_name: str, detail: str, st: _Status,
@@ -235,19 +255,9 @@ async def reconcile(
     await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner))
     cluster = await _ensure_cluster(kube, desired, clusters, st)
 
-    want_hash = job_hash(plan, cluster_name)
-    current_jobs = []
-    for job in jobs:
-        if _label(job, c.LABEL_JOB_HASH) == want_hash and not spec.suspend:
-            current_jobs.append(job)
-        elif not job["metadata"].get("deletionTimestamp"):
-            await kube.delete(RAYJOB, ns, job["metadata"]["name"])
-            if not spec.suspend:
-                st.event(
-                    c.EVENT_NORMAL, c.REASON_ENGINE_CHANGED,
-                    f"Deleted head job {job['metadata']['name']}: what it runs has changed",
-                )  # fmt: skip
-
+    # Attempts count every head job seen, pruned or terminating ones too: names never repeat.
+    st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
+    current_jobs = await _prune_jobs(kube, ns, jobs, job_hash(plan, cluster_name), spec.suspend, st)
     if spec.suspend:
         message = f"Suspended: RayCluster {cluster_name} scaled to no pods, head job stopped"
         for type_ in (c.COND_CLUSTER_READY, c.COND_HEAD_JOB_RUNNING, c.COND_READY):
@@ -274,7 +284,7 @@ async def _converge_head_job(
     ns = res.namespace
     jobs.sort(key=_attempt)
     latest = jobs[-1] if jobs else None
-    next_attempt = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)]) + 1
+    next_attempt = st.doc["launchAttempts"] + 1
 
     if latest is None or job_state(latest) in (JobState.FAILED, JobState.ENDED):
         if latest is not None:

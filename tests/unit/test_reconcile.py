@@ -296,3 +296,20 @@ async def test_condition_transition_time_moves_only_on_flip() -> None:
     flipped = next(x for x in w.status["conditions"] if x["type"] == c.COND_CLUSTER_READY)
     assert flipped["status"] == "True"
     assert flipped["lastTransitionTime"] != first["lastTransitionTime"]
+
+
+async def test_attempt_numbers_never_repeat_even_without_status() -> None:
+    w = World()
+    await w.step()
+    w.cluster_ready()
+    await w.step()
+    w.update(spec(engineArgs=["--max-model-len", "4096"]))
+    # The operator lost its status, and the old head job is still terminating.
+    w.status = {}
+    old = w.jobs()[0]
+    old["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    w.kube.objects[(RAYJOB, "default", "demo-launch-1")] = old
+    await w.step()
+    names = {j["metadata"]["name"] for j in w.jobs()}
+    assert names == {"demo-launch-1", "demo-launch-2"}
+    assert w.status["headJob"] == "demo-launch-2" and w.status["launchAttempts"] == 2
