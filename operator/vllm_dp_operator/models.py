@@ -75,10 +75,11 @@ class PodResources(ApiModel):
     """CPU and memory of each Ray pod; requests equal limits."""
 
     cpu: str | None = Field(
-        default=None, pattern=QUANTITY_PATTERN, description="CPU per pod, e.g. '16'."
+        default=None, pattern=QUANTITY_PATTERN, max_length=64, description="CPU per pod, e.g. '16'."
     )
     memory: str | None = Field(
-        default=None, pattern=QUANTITY_PATTERN, description="Memory per pod, e.g. '128Gi'."
+        default=None, pattern=QUANTITY_PATTERN, max_length=64,
+        description="Memory per pod, e.g. '128Gi'."
     )
 
 
@@ -189,6 +190,7 @@ class VLLMDataParallelSpec(ApiModel):
     shm_size: str = Field(
         default=constants.DEFAULT_SHM_SIZE,
         pattern=QUANTITY_PATTERN,
+        max_length=64,
         description="Size of the memory-backed /dev/shm on each pod (NCCL needs more than "
         "the container default of 64Mi).",
     )

@@ -123,6 +123,47 @@ def _strategy(s: VLLMDataParallelSpec) -> str:
     return str(s.data_parallel.pack_strategy)
 
 
+_SUFFIX = {"m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+           "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50,
+           "Ei": 2.0**60}  # fmt: skip
+
+
+def quantity_value(text: str) -> float:
+    """The value of a Kubernetes quantity string ('500m' -> 0.5, '2Ki' -> 2048.0)."""
+    match = re.fullmatch(r"\+?([0-9.]+)(?:[eE]([+-]?[0-9]+)|([a-zA-Z]*))", text)
+    if not match or match.group(3) not in (None, *_SUFFIX):
+        raise ValueError(f"not a quantity: {text!r}")
+    exponent = 10.0 ** int(match.group(2)) if match.group(2) else 1.0
+    return float(match.group(1)) * exponent * _SUFFIX[match.group(3) or ""]
+
+
+def busiest_pod_ranks(s: VLLMDataParallelSpec) -> int:
+    """The most DP ranks one pod may hold: each needs one Ray CPU for its control bundle."""
+    if _strategy(s) == PackStrategy.SPAN:
+        return 1
+    if _strategy(s) == PackStrategy.FILL and s.gpu.per_pod is not None:
+        return max(s.data_parallel.ranks_per_node, s.gpu.per_pod // s.tensor_parallel_size)
+    return s.data_parallel.ranks_per_node
+
+
+# busiest_pod_ranks in CEL (with gpu.perPod / TP never above ranksPerNode unless fill).
+_BUSIEST_CEL = (
+    "(self.dataParallel.packStrategy == 'span' ? 1 : "
+    "(self.dataParallel.packStrategy == 'fill' && has(self.gpu.perPod) && "
+    "self.gpu.perPod / self.tensorParallelSize > self.dataParallel.ranksPerNode ? "
+    "self.gpu.perPod / self.tensorParallelSize : self.dataParallel.ranksPerNode))"
+)
+
+
+def _enough_cpus(s: VLLMDataParallelSpec) -> bool:
+    if s.resources.cpu is None:
+        return True
+    try:
+        return quantity_value(s.resources.cpu) >= busiest_pod_ranks(s)
+    except ValueError:
+        return True  # the schema's pattern reports a malformed quantity
+
+
 def _reserved_list() -> str:
     return "[" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + "]"
 
@@ -190,6 +231,14 @@ RULES: tuple[Rule, ...] = (
         holds=lambda s: _strategy(s) != PackStrategy.SPAN
         or s.gpu.per_pod is None
         or s.tensor_parallel_size % s.gpu.per_pod == 0,
+    ),
+    Rule(
+        field="resources.cpu",
+        cel="!has(self.resources.cpu) || !isQuantity(self.resources.cpu) || "
+        f"quantity(self.resources.cpu).asApproximateFloat() >= double({_BUSIEST_CEL})",
+        message="must be at least one CPU per DP rank a pod holds: vLLM gives every rank a Ray "
+        "placement group with a CPU bundle, and without the CPUs the launch waits forever",
+        holds=_enough_cpus,
     ),
     Rule(
         field="service.port",

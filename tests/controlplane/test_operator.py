@@ -234,6 +234,7 @@ INVALID = [
     ("engineArgs", {"engineArgs": ["--data-parallel-size", "4"]}),
     ("engineArgs", {"engineArgs": ["--port", "9000"]}),
     ("service.port", {"service": {"port": 8265}}),
+    ("resources.cpu", {"dataParallel": {"size": 8, "ranksPerNode": 4}, "resources": {"cpu": "2"}}),
     ("env", {"env": [{"name": "VLLM_PORT", "value": "1"}]}),
     ("env", {"env": [{"name": "HF_TOKEN", "value": "hf_xxx"}]}),
     ("dataParallel.packStrategy", {"dataParallel": {"size": 4, "ranksPerNode": 2,
@@ -254,6 +255,13 @@ def test_api_server_rejects_invalid_resource_naming_the_field(
     proc = testbed.kubectl("create", "-f", "-", input=yaml.safe_dump(doc), check=False)
     assert proc.returncode != 0, f"accepted an invalid resource: {spec}"
     assert f"spec.{field}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_api_server_accepts_every_example(testbed: Any, operator: OperatorProcess,
+                                          path: Path) -> None:  # fmt: skip
+    proc = testbed.kubectl("apply", "--dry-run=server", "-f", str(path), check=False)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_name_too_long_rejected(testbed: Any, operator: OperatorProcess) -> None:

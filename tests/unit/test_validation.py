@@ -88,7 +88,7 @@ VALID: list[Any] = [
             "tolerations": [{"key": "a", "operator": "Exists"}],
             "affinity": {"nodeAffinity": {}},
             "nodeSelector": {"pool": "gpu"},
-            "resources": {"cpu": "500m", "memory": "1.5Gi"},
+            "resources": {"cpu": "16", "memory": "1.5Gi"},
             "shmSize": "1e9",
         },
         id="every-pod-option",
@@ -194,6 +194,19 @@ INVALID: list[Any] = [
         "spec.tensorParallelSize",
         "must be a multiple of gpu.perPod",
         id="span-tp-below-per-pod",
+    ),
+    pytest.param(
+        {"dataParallel": {"size": 8, "ranksPerNode": 4}, "resources": {"cpu": "3500m"}},
+        "spec.resources.cpu",
+        "at least one CPU per DP rank a pod holds",
+        id="cpu-below-ranks-per-pod",
+    ),
+    pytest.param(
+        merge(BASE, {"dataParallel": {"size": 6, "ranksPerNode": 2, "packStrategy": "fill"},
+                     "gpu": {"perPod": 4}, "resources": {"cpu": "3"}}),
+        "spec.resources.cpu",
+        "at least one CPU per DP rank a pod holds",
+        id="cpu-below-fill-worker-ranks",
     ),
     *[
         pytest.param(
