@@ -35,6 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -646,6 +647,22 @@ class Testbed:
             )
         return proc
 
+    def launch(
+        self,
+        name: str,
+        argv: list[str],
+        ready: Callable[[], Any],
+        timeout: float,
+        timings: dict[str, float],
+        env: dict[str, str] | None = None,
+    ) -> int:
+        """Start a component, wait until `ready()`, record how long it took; return its PID."""
+        t0 = time.monotonic()
+        pid = self.start(name, argv, env)
+        wait_for(name, ready, timeout, pid, self.st.logs / f"{name}.log")
+        timings[name] = time.monotonic() - t0
+        return pid
+
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         self.st.logs.mkdir(parents=True, exist_ok=True)
         logfile = self.st.logs / f"{name}.log"
@@ -754,8 +771,7 @@ class Testbed:
         st.info_file.chmod(0o600)
 
         # etcd
-        t0 = time.monotonic()
-        pid = self.start(
+        pid = self.launch(
             "etcd",
             [
                 etcd,
@@ -770,20 +786,15 @@ class Testbed:
                 "--log-level=warn",
                 "--quota-backend-bytes=4294967296",
             ],
-        )
-        wait_for(
-            "etcd",
             lambda: '"health":"true"' in http_get(f"http://127.0.0.1:{ports['etcd']}/health")[1],
             30,
-            pid,
-            st.logs / "etcd.log",
+            timings,
         )
-        timings["etcd"] = time.monotonic() - t0
         log(f"etcd ready on 127.0.0.1:{ports['etcd']} in {timings['etcd']:.1f}s (pid {pid})")
 
         # kube-apiserver
-        t0 = time.monotonic()
-        pid = self.start(
+        token = tokens["admin"]
+        pid = self.launch(
             "kube-apiserver",
             [
                 str(self.bd / "kube-apiserver"),
@@ -815,16 +826,10 @@ class Testbed:
                 "--profiling=false",
                 "--v=1",
             ],
-        )
-        token = tokens["admin"]
-        wait_for(
-            "kube-apiserver",
             lambda: http_get(f"{server}/readyz", token)[0] == 200,
             120,
-            pid,
-            st.logs / "kube-apiserver.log",
+            timings,
         )
-        timings["kube-apiserver"] = time.monotonic() - t0
         log(f"kube-apiserver ready at {server} in {timings['kube-apiserver']:.1f}s (pid {pid})")
 
         # kube-controller-manager
@@ -876,9 +881,8 @@ class Testbed:
         )
 
         # kube-scheduler
-        t0 = time.monotonic()
         k = kcfg["kube-scheduler"]
-        pid = self.start(
+        pid = self.launch(
             "kube-scheduler",
             [
                 str(self.bd / "kube-scheduler"),
@@ -890,20 +894,14 @@ class Testbed:
                 f"--secure-port={ports['scheduler']}",
                 "--v=1",
             ],
-        )
-        wait_for(
-            "kube-scheduler",
             lambda: http_get(f"https://127.0.0.1:{ports['scheduler']}/readyz")[0] == 200,
             60,
-            pid,
-            st.logs / "kube-scheduler.log",
+            timings,
         )
-        timings["kube-scheduler"] = time.monotonic() - t0
         log(f"kube-scheduler ready in {timings['kube-scheduler']:.1f}s (pid {pid})")
 
         # kwok controller
-        t0 = time.monotonic()
-        pid = self.start(
+        pid = self.launch(
             "kwok",
             [
                 str(self.bd / "kwok"),
@@ -915,15 +913,10 @@ class Testbed:
                 f"--node-ip={NODE_IP}",
                 f"--server-address=127.0.0.1:{ports['kwok']}",
             ],
-        )
-        wait_for(
-            "kwok",
             lambda: http_get(f"http://127.0.0.1:{ports['kwok']}/healthz")[0] == 200,
             60,
-            pid,
-            st.logs / "kwok.log",
+            timings,
         )
-        timings["kwok"] = time.monotonic() - t0
         log(f"kwok controller ready in {timings['kwok']:.1f}s (pid {pid})")
 
         # fake nodes
