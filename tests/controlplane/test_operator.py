@@ -6,7 +6,6 @@ import copy
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,11 +37,9 @@ def operator(testbed: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture
-def ns(testbed: Any) -> Iterator[str]:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    testbed.kubectl("create", "namespace", name)
-    yield name
-    testbed.kubectl("delete", "namespace", name, "--wait=false", check=False)
+def ns(testbed_namespace: str) -> str:
+    """A fresh namespace per test (conftest's testbed_namespace), under a short name."""
+    return testbed_namespace
 
 
 def apply(testbed: Any, ns: str, doc: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +38,10 @@ def _status(testbed: Any, ns: str, name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("scope", ["cluster", "namespace"])
 def test_operator_with_chart_rbac_runs_scenario_without_forbidden(
-    testbed: Any, tmp_path: Path, scope: str
+    testbed: Any, testbed_namespace: str, tmp_path: Path, scope: str
 ) -> None:
     install_crd(testbed)
-    ns = f"lp-{uuid.uuid4().hex[:6]}"
-    testbed.kubectl("create", "namespace", ns)
+    ns = testbed_namespace
     sets = ["healthProbe.mode=apiserver-proxy", f"rbac.scope={scope}"]
     if scope == "namespace":
         sets.append(f"watchNamespace={ns}")
@@ -80,7 +78,6 @@ def test_operator_with_chart_rbac_runs_scenario_without_forbidden(
     finally:
         op.stop()
         chartlib.delete_operator_identity(testbed.kubectl, identity)
-        testbed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     log = op.log_tail(chars=10**7)
     assert "forbidden" not in log.lower(), log[-4000:]
     assert "403" not in log, log[-4000:]

@@ -33,6 +33,25 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 VENV = Path(os.environ.get("VLLM_CONTRACT_VENV") or CACHE / "vllm-dp-operator" / "vllm-venv")
 
 
+def run_in_vllm_venv(script: str, payload: Any) -> Any:
+    """Install the vLLM virtualenv (once), run one of this tier's scripts in it: JSON in, out."""
+    install = subprocess.run(
+        [str(HERE / "install_vllm.sh")], capture_output=True, text=True, timeout=3600, check=False
+    )
+    if install.returncode != 0:
+        pytest.fail(f"installing vllm failed:\n{install.stdout[-3000:]}\n{install.stderr[-3000:]}")
+    run = subprocess.run(
+        [str(VENV / "bin" / "python"), str(HERE / script)],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+    return json.loads(run.stdout)
+
+
 def render_items(example: Path) -> list[dict[str, Any]]:
     """Render an example with the operator's CLI (`vllm-dp render -o json`)."""
     result = subprocess.run(
@@ -96,25 +115,12 @@ def negative_controls(plan: LaunchPlan) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def vllm_results() -> dict[str, dict[str, Any]]:
     """Install (once) vLLM in the cached venv, then check every case there in one process."""
-    install = subprocess.run(
-        [str(HERE / "install_vllm.sh")], capture_output=True, text=True, timeout=3600, check=False
-    )
-    if install.returncode != 0:
-        pytest.fail(f"installing vllm failed:\n{install.stdout[-3000:]}\n{install.stderr[-3000:]}")
     pytest.importorskip("vllm_dp_operator.cli", reason="the operator package is not installed")
     plans = {example.stem: rendered_plan(example) for example in EXAMPLES}
     cases = [case(name, plan) for name, plan in plans.items()]
     cases += negative_controls(next(iter(plans.values())))
-    checked = subprocess.run(
-        [str(VENV / "bin" / "python"), str(HERE / "check_with_vllm.py")],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert checked.returncode == 0, checked.stderr[-5000:]
-    return {result["name"]: result for result in json.loads(checked.stdout)}
+    results = run_in_vllm_venv("check_with_vllm.py", cases)
+    return {result["name"]: result for result in results}
 
 
 @pytest.mark.parametrize("example", [e.stem for e in EXAMPLES])

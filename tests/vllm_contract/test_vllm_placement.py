@@ -38,8 +38,6 @@ so).
 from __future__ import annotations
 
 import itertools
-import json
-import subprocess
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_accepts_plans import EXAMPLES, HERE, ROOT, VENV, plan_in_head_job, render_items
+from test_vllm_accepts_plans import (
+    EXAMPLES,
+    ROOT,
+    plan_in_head_job,
+    render_items,
+    run_in_vllm_venv,
+)
 from vllm_dp_launcher.command import build_command, engine_env_overrides
 from vllm_dp_launcher.plan import LaunchPlan
 
@@ -154,22 +158,8 @@ def examples() -> dict[str, Example]:
 @pytest.fixture(scope="module")
 def placed(examples: dict[str, Example]) -> dict[str, Any]:
     """Install (once) vLLM; run vLLM's placement for every case on real Ray clusters."""
-    install = subprocess.run(
-        [str(HERE / "install_vllm.sh")], capture_output=True, text=True, timeout=3600, check=False
-    )
-    if install.returncode != 0:
-        pytest.fail(f"installing vllm failed:\n{install.stdout[-3000:]}\n{install.stderr[-3000:]}")
     request = {"testbed": str(TESTBED_DIR), "groups": requests(examples)}
-    run = subprocess.run(
-        [str(VENV / "bin" / "python"), str(HERE / "place_with_vllm.py")],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-5000:]
-    out: dict[str, Any] = json.loads(run.stdout)
+    out: dict[str, Any] = run_in_vllm_venv("place_with_vllm.py", request)
     out["results"] = {result["name"]: result for result in out["results"]}
     return out
 
