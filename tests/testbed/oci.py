@@ -1,0 +1,206 @@
+"""Container image archives without Docker or a registry: directories in, docker-archive out.
+
+A layer is a directory tree packed as an uncompressed tar; an image is an ordered list of
+layers plus a config (entrypoint, command, environment, user, working directory). The archive
+is the `docker save` format, which `ctr images import` and `docker load` both read. Nothing
+here starts a process or touches a container runtime; importing is the real-node module's job.
+
+    layer = build_layer(rootfs_dir, cache_dir / "base.tar")
+    write_archive("vllm-dp-operator:dev", [layer], ImageConfig(entrypoint=["kopf", "run"]), out)
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import tarfile
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+# Paths that are mount points in a running container: their contents never belong in a layer.
+RUNTIME_MOUNTS = ("dev", "proc", "sys", "run")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One packed layer: the tar on disk and its uncompressed digest (the diff ID)."""
+
+    path: Path
+    diff_id: str  # "sha256:<hex>"
+    size: int
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """The runtime settings an image carries (the `config` object of the image config)."""
+
+    entrypoint: Sequence[str] | None = None
+    cmd: Sequence[str] | None = None
+    env: Sequence[str] = ()  # "NAME=value"; PATH is added when absent
+    workdir: str = "/"
+    user: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class _HashingWriter:
+    """A write-only file that hashes and counts what passes through to another file."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self._out = out
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self._out.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
+def _skip_runtime_mounts(top: Path) -> Callable[[tarfile.TarInfo], tarfile.TarInfo | None]:
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        parts = Path(info.name).parts
+        # Keep the mount point itself (an empty directory), never what is below it.
+        if len(parts) > 1 and parts[0] in RUNTIME_MOUNTS:
+            return None
+        return info
+
+    del top
+    return keep
+
+
+def build_layer(
+    source: Path, out: Path, keep: Callable[[tarfile.TarInfo], tarfile.TarInfo | None] | None = None
+) -> Layer:
+    """Pack `source` (its contents at the image root) into the tar `out`; return the layer.
+
+    Entries are added in sorted order with their owners and modes as on disk; the contents of
+    /dev, /proc, /sys and /run are left out. `keep` may drop or edit further entries.
+    """
+    source = source.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    skip = _skip_runtime_mounts(source)
+
+    def both(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        kept = skip(info)
+        return keep(kept) if kept is not None and keep is not None else kept
+
+    fd, tmp = tempfile.mkstemp(prefix=".layer-", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            writer = _HashingWriter(raw)
+            with tarfile.open(
+                fileobj=writer, mode="w", format=tarfile.PAX_FORMAT, copybufsize=_CHUNK  # type: ignore[call-overload]
+            ) as tar:
+                for name in sorted(os.listdir(source)):
+                    tar.add(source / name, arcname=name, filter=both)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Layer(out, f"sha256:{writer.sha.hexdigest()}", writer.size)
+
+
+def layer_from_tar(path: Path) -> Layer:
+    """A Layer for a tar already on disk (its digest is computed by reading it once)."""
+    sha = hashlib.sha256()
+    size = 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return Layer(path, f"sha256:{sha.hexdigest()}", size)
+
+
+def _arch() -> str:
+    machine = platform.machine().lower()
+    return {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(machine, machine)
+
+
+def image_config(layers: Sequence[Layer], config: ImageConfig) -> dict[str, Any]:
+    """The image config document (OCI image spec `config.json`) for these layers."""
+    env = list(config.env)
+    if not any(e.startswith("PATH=") for e in env):
+        env.insert(0, DEFAULT_PATH)
+    runtime: dict[str, Any] = {"Env": env, "WorkingDir": config.workdir}
+    if config.entrypoint is not None:
+        runtime["Entrypoint"] = list(config.entrypoint)
+    if config.cmd is not None:
+        runtime["Cmd"] = list(config.cmd)
+    if config.user:
+        runtime["User"] = config.user
+    if config.labels:
+        runtime["Labels"] = dict(config.labels)
+    return {
+        "architecture": _arch(),
+        "os": "linux",
+        "config": runtime,
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
+        "history": [{"created_by": f"layer {layer.path.name}"} for layer in layers],
+    }
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_archive(ref: str, layers: Sequence[Layer], config: ImageConfig, out: Path) -> str:
+    """Write a docker-archive tar of `layers` tagged `ref`; return the image config digest."""
+    if not layers:
+        raise ValueError("an image needs at least one layer")
+    config_bytes = json.dumps(image_config(layers, config), sort_keys=True).encode()
+    config_digest = hashlib.sha256(config_bytes).hexdigest()
+    layer_names = [f"{layer.diff_id.split(':', 1)[1]}/layer.tar" for layer in layers]
+    manifest = [{"Config": f"{config_digest}.json", "RepoTags": [ref], "Layers": layer_names}]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".image-", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+            _add_bytes(tar, f"{config_digest}.json", config_bytes)
+            _add_bytes(tar, "manifest.json", json.dumps(manifest).encode())
+            seen: set[str] = set()
+            for layer, name in zip(layers, layer_names, strict=True):
+                if name in seen:
+                    continue
+                seen.add(name)
+                tar.add(layer.path, arcname=name)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return f"sha256:{config_digest}"
+
+
+def read_manifest(archive: Path) -> dict[str, Any]:
+    """The one manifest entry of a docker-archive tar, with its config parsed."""
+    with tarfile.open(archive) as tar:
+        manifest_file = tar.extractfile("manifest.json")
+        if manifest_file is None:
+            raise ValueError(f"{archive}: no manifest.json")
+        (entry,) = json.load(manifest_file)
+        config_file = tar.extractfile(entry["Config"])
+        if config_file is None:
+            raise ValueError(f"{archive}: no {entry['Config']}")
+        entry = dict(entry, config=json.load(config_file))
+    return dict(entry)
