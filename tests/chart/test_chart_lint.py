@@ -76,6 +76,7 @@ def test_kuberay_enabled_needs_vendored_dependency(helm_bin: str) -> None:
         "healthProbe.mode=tcp",
         "watchNamespace=Not_A_Namespace",
         "resyncSeconds=0",
+        "workers=0",
         "nosuchkey=1",
         "image.pullPolicy=Sometimes",
         "extraEnv[0].name=VLLMDP_ENGINE_IMAGE",

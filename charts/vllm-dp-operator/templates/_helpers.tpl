@@ -59,14 +59,17 @@ ClusterRole and the Role so the two scopes cannot drift apart. Keep it in step w
 REQUIRED in tests/chart/test_chart_rbac.py.
 */}}
 {{- define "vllm-dp-operator.namespacedRules" -}}
-# The custom resource: kopf lists/watches it and patches finalizers and progress annotations.
+# The custom resource: kopf lists/watches it; the operator patches its status. kopf adds no
+# finalizer or annotation (no timers, daemons or changing handlers); `patch` lets it remove the
+# finalizer that versions before the event-driven controller added.
 - apiGroups: ["vllmdp.io"]
   resources: ["vllmdataparallels"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["vllmdp.io"]
   resources: ["vllmdataparallels/status"]
   verbs: ["get", "patch"]
-# The children: one RayCluster and one RayJob (the head job) per resource.
+# The children: one RayCluster and one RayJob (the head job) per resource. list/watch feed
+# the operator's in-memory cache (label app.kubernetes.io/managed-by=vllm-dp-operator).
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -74,7 +77,7 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Read-only: explain Pending Ray pods (unschedulable, image pull) in the status.
+# Read-only, cached through a watch: explain Pending Ray pods in the status.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]

@@ -1,0 +1,222 @@
+"""The event-driven controller: watches feed a cache, events wake owners, workers reconcile.
+
+    kopf on.event (VLLMDataParallel) ──▶ owner cache ──┐ new object, new generation
+    reflectors (RayCluster, RayJob,  ──▶ child cache ──┤ any change of a child, by its
+                Service, Pod)                          │ app.kubernetes.io/instance label
+                                                       ▼
+    timers (probe cadence, backoff end, resync) ──▶ WorkQueue ──▶ K workers ──▶ reconcile()
+                                                                   (reads the cache; writes
+                                                                    go to the API and back
+                                                                    into the cache)
+
+Each key (namespace, name) is reconciled by one worker at a time; events that arrive during a
+reconcile queue it once more. After each reconcile the key is scheduled again only when time
+matters: the /health cadence while Launching or Serving, the end of a relaunch backoff, and
+a rare safety resync. A resource at rest costs no API request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import random
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.cache import MANAGED_SELECTOR, CachedKube, Obj, ObjectCache, owner_key
+from vllm_dp_operator.config import Config
+from vllm_dp_operator.informer import Reflector, WatchApi
+from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
+from vllm_dp_operator.probe import HealthProbe
+from vllm_dp_operator.reconcile import Event, Outcome, Resource, reconcile
+from vllm_dp_operator.workqueue import ShutDown, WorkQueue
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, POD)
+
+
+class ControllerApi(Kube, WatchApi, Protocol):
+    """The API the controller needs: the Kube seam, watches, and status patches."""
+
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge-patch the status subresource."""
+        ...
+
+
+def jitter(seconds: float, spread: float = 0.1) -> float:
+    """A period spread by +-10%, so resources created together do not wake together."""
+    return seconds * random.uniform(1 - spread, 1 + spread)
+
+
+def next_wake(cfg: Config, outcome: Outcome) -> float:
+    """Seconds until a resource must be reconciled again with no event to wake it."""
+    delays = [jitter(cfg.resync_seconds)]
+    if outcome.retry_after is not None:
+        delays.append(outcome.retry_after)
+    phase = outcome.status.get("phase")
+    if phase == c.PHASE_LAUNCHING:
+        delays.append(cfg.probe_launching_seconds)
+    elif phase == c.PHASE_SERVING:
+        delays.append(jitter(cfg.probe_serving_seconds))
+    return min(delays)
+
+
+def _event_target(owner: Obj) -> Obj:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": f"{c.GROUP}/{c.VERSION}",
+        "kind": c.KIND,
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+    }
+
+
+class Controller:
+    """Owns the cache, the reflectors, the work queue and the workers."""
+
+    def __init__(
+        self, api: ControllerApi, cfg: Config, probe: HealthProbe,
+        post_event: Callable[[Obj, Event], None], namespace: str | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:  # fmt: skip
+        self.api, self.cfg, self.probe = api, cfg, probe
+        self.post_event = post_event
+        self.clock = clock
+        self.cache = ObjectCache((*CHILD_KINDS, VDP))
+        self.kube = CachedKube(api, self.cache)
+        self.queue: WorkQueue[Key] = WorkQueue()
+        self.reflectors = [
+            Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR, self._child_changed)
+            for kind in CHILD_KINDS
+        ]
+        self._tasks: list[asyncio.Task[None]] = []
+        #: Counters for the liveness probe, logs and tests.
+        self.reconciles = 0
+        self.status_patches = 0
+        self.failures = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the reflectors, and the workers (which wait until every cache is filled)."""
+        for reflector in self.reflectors:
+            self._tasks.append(asyncio.create_task(reflector.run(), name=repr(reflector)))
+        for i in range(self.cfg.workers):
+            self._tasks.append(asyncio.create_task(self._worker(), name=f"worker-{i}"))
+
+    async def stop(self) -> None:
+        """Stop handing out keys, then cancel every task."""
+        self.queue.shutdown(self.cfg.workers)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    @property
+    def synced(self) -> bool:
+        """Whether every reflector has loaded its first LIST."""
+        return all(r.synced.is_set() for r in self.reflectors)
+
+    def health(self) -> dict[str, Any]:
+        """Liveness: raise when a task died; else the queue's and caches' numbers."""
+        for task in self._tasks:
+            if task.done():
+                raise RuntimeError(f"controller task {task.get_name()} has stopped")
+        return {
+            "synced": self.synced,
+            "queued": len(self.queue),
+            "in_flight": self.queue.in_flight,
+            "scheduled": self.queue.scheduled,
+            "reconciles": self.reconciles,
+            "cached": {k.plural: self.cache.count(k) for k in (*CHILD_KINDS, VDP)},
+        }
+
+    # ------------------------------------------------------------------ events
+
+    def owner_event(self, event_type: str | None, body: Obj) -> None:
+        """A VLLMDataParallel event from kopf: cache it; wake it when its spec moved."""
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace") or "", meta.get("name") or "")
+        if event_type == "DELETED":
+            self.cache.remove(VDP, body)
+            self.queue.drop(key)
+            return
+        old = self.cache.peek(VDP, *key)
+        old_meta = dict(old["metadata"]) if old is not None else None
+        if not self.cache.upsert(VDP, body):
+            return  # older than what a status patch already told us
+        # Our own status patches echo back here: those alone wake nothing.
+        if (
+            old_meta is None
+            or old_meta.get("generation") != meta.get("generation")
+            or old_meta.get("uid") != meta.get("uid")
+            or old_meta.get("deletionTimestamp") != meta.get("deletionTimestamp")
+        ):
+            self.queue.add(key)
+
+    def _child_changed(self, obj: Obj) -> None:
+        key = owner_key(obj)
+        if key is not None:
+            self.queue.add(key)
+
+    # ------------------------------------------------------------------ workers
+
+    async def _worker(self) -> None:
+        await asyncio.gather(*(r.synced.wait() for r in self.reflectors))
+        while True:
+            try:
+                key = await self.queue.get()
+            except ShutDown:
+                return
+            try:
+                await self.process(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.failures += 1
+                delay = self.queue.add_rate_limited(key)
+                log.exception("Reconcile of %s/%s failed; retrying in %.1fs", *key, delay)
+            else:
+                self.queue.forget(key)
+            finally:
+                self.queue.done(key)
+
+    async def process(self, key: Key) -> Outcome | None:
+        """Reconcile one resource from the cache, write what changed, schedule its next wake."""
+        owner = self.cache.peek(VDP, *key)
+        if owner is None:
+            self.queue.drop(key)
+            return None
+        if owner["metadata"].get("deletionTimestamp"):
+            return None  # owner references make the garbage collector take the children
+        owner = copy.deepcopy(owner)
+        outcome = await reconcile(Resource.from_body(owner), self.kube, self.probe, self.cfg,
+                                  self.clock())  # fmt: skip
+        self.reconciles += 1
+        current = owner.get("status") or {}
+        changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
+        if changes:
+            await self._write_status(key, changes)
+        target = _event_target(owner)
+        for event in outcome.events:
+            self.post_event(target, event)
+        self.queue.add_after(key, next_wake(self.cfg, outcome))
+        return outcome
+
+    async def _write_status(self, key: Key, changes: dict[str, Any]) -> None:
+        try:
+            obj = await self.api.patch_status(VDP, key[0], key[1], changes)
+        except ApiException as exc:
+            if exc.status == 404:
+                return  # deleted meanwhile
+            raise
+        self.status_patches += 1
+        self.cache.upsert(VDP, obj)
