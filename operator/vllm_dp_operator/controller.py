@@ -216,7 +216,11 @@ class Controller:
             obj = await self.api.patch_status(VDP, key[0], key[1], changes)
         except ApiException as exc:
             if exc.status == 404:
-                return  # deleted meanwhile
+                # Deleted without a DELETED event reaching us (kopf relists after a 410 without
+                # reporting deletions): forget the owner; the GC takes what it owned.
+                self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1]}})
+                self.queue.drop(key)
+                return
             raise
         self.status_patches += 1
         self.cache.upsert(VDP, obj)

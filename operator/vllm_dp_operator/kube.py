@@ -189,8 +189,9 @@ class ApiKube:
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Watch events from a resourceVersion on, as dicts, until the server ends the stream.
 
-        The read timeout outlasts the server's own timeout by a minute, so a half-open stream
-        ends instead of hanging forever. Lines are split here, not by aiohttp's readline, which
+        The server sends a bookmark about every minute on a quiet stream, so two minutes of
+        silence means a half-open connection: the read times out and the caller resumes,
+        instead of hanging for ever. Lines are split here, not by aiohttp's readline, which
         refuses lines over 128 KiB.
         """
         query = [
@@ -198,7 +199,7 @@ class ApiKube:
             ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
             ("timeoutSeconds", str(timeout_seconds)),
         ]  # fmt: skip
-        timeout = aiohttp.ClientTimeout(sock_connect=10, sock_read=timeout_seconds + 60)
+        timeout = aiohttp.ClientTimeout(sock_connect=10, sock_read=min(timeout_seconds + 60, 130))
         resp = await self._api.call_api(
             kind.collection(namespace), "GET",
             query_params=query,
@@ -211,7 +212,12 @@ class ApiKube:
             if resp.status != 200:
                 raise ApiException(status=resp.status, reason=(await resp.text())[:500])
             pending = bytearray()
-            async for chunk in resp.content.iter_any():
+            chunks = resp.content.iter_any()
+            while True:
+                try:
+                    chunk = await anext(chunks)
+                except (StopAsyncIteration, aiohttp.ServerTimeoutError):
+                    return  # the server's timeout, or a silent stream: the caller resumes
                 pending += chunk
                 while (end := pending.find(b"\n")) >= 0:
                     line = bytes(pending[:end])

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fake_kube import FakeKube, _matches
+from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator.kube import Kind
 
 
@@ -85,7 +86,9 @@ class FakeApi(FakeKube):
         self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
     ) -> dict[str, Any]:
         self.calls["patch_status"] += 1
-        obj = self.objects[(kind, namespace, name)]
+        obj = self.objects.get((kind, namespace, name))
+        if obj is None:
+            raise ApiException(status=404, reason="Not Found")
         merged = {**(obj.get("status") or {}), **status}
         obj["status"] = {k: v for k, v in merged.items() if v is not None}
         self._emit(kind, "MODIFIED", obj)

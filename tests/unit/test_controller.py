@@ -205,6 +205,18 @@ async def test_own_status_echo_wakes_nothing_but_a_spec_change_does(bed: Bed) ->
     assert bed.ctl.cache.peek(VDP, *KEY) is None and bed.ctl.queue.due_in(KEY) is None
 
 
+async def test_an_owner_deleted_unseen_is_forgotten_at_its_status_404(bed: Bed) -> None:
+    bed.add_owner()
+    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
+    await bed.settle()
+    # Deleted while kopf's watch was away: no DELETED event ever reaches the controller.
+    del bed.api.objects[(VDP, *KEY)]
+    bed.cluster_ready()  # a child event wakes the stale owner; its status patch answers 404
+    await bed.until("the stale owner forgotten", lambda: bed.ctl.cache.peek(VDP, *KEY) is None)
+    await bed.settle()
+    assert bed.ctl.queue.due_in(KEY) is None, "nothing scheduled for a deleted owner"
+
+
 async def test_restart_refills_the_cache_and_makes_no_duplicates() -> None:
     first = Bed()
     first.ctl.start()
