@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import random
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.cache import MANAGED_SELECTOR, CachedKube, Obj, ObjectCache, owner_key
 from vllm_dp_operator.config import Config
+from vllm_dp_operator.events import EventPoster
 from vllm_dp_operator.informer import Reflector, WatchApi
 from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
 from vllm_dp_operator.probe import HealthProbe
@@ -70,6 +72,15 @@ def next_wake(cfg: Config, outcome: Outcome) -> float:
     return min(delays)
 
 
+def _api_message(exc: ApiException) -> str:
+    """The message of an API error's Status body, else its reason."""
+    try:
+        message = json.loads(exc.body or "{}").get("message")
+    except (TypeError, ValueError, AttributeError):
+        message = None
+    return str(message or exc.reason)
+
+
 def _event_target(owner: Obj) -> Obj:
     meta = owner["metadata"]
     return {
@@ -83,12 +94,13 @@ class Controller:
     """Owns the cache, the reflectors, the work queue and the workers."""
 
     def __init__(
-        self, api: ControllerApi, cfg: Config, probe: HealthProbe,
-        post_event: Callable[[Obj, Event], None], namespace: str | None = None,
+        self, api: ControllerApi, cfg: Config, probe: HealthProbe, namespace: str | None = None,
+        post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe = api, cfg, probe
-        self.post_event = post_event
+        self.poster = EventPoster(api) if post_event is None else None
+        self.post_event = post_event or self._post
         self.clock = clock
         self.cache = ObjectCache((*CHILD_KINDS, VDP))
         self.kube = CachedKube(api, self.cache)
@@ -105,8 +117,14 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _post(self, target: Obj, event: Event) -> None:
+        assert self.poster is not None
+        self.poster.post(target, event.type, event.reason, event.message)
+
     def start(self) -> None:
         """Start the reflectors, and the workers (which wait until every cache is filled)."""
+        if self.poster is not None:
+            self._tasks += self.poster.start()
         for reflector in self.reflectors:
             self._tasks.append(asyncio.create_task(reflector.run(), name=repr(reflector)))
         for i in range(self.cfg.workers):
@@ -180,6 +198,16 @@ class Controller:
                 await self.process(key)
             except asyncio.CancelledError:
                 raise
+            except ApiException as exc:
+                self.failures += 1
+                if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
+                    # Its namespace is being deleted, and the resource with it.
+                    log.info("Namespace %s is terminating; not reconciling %s", *key)
+                    self.queue.drop(key)
+                    continue
+                delay = self.queue.add_rate_limited(key)
+                log.warning("Reconcile of %s/%s failed: HTTP %s %s; retrying in %.1fs", *key,
+                            exc.status, _api_message(exc), delay)  # fmt: skip
             except Exception:
                 self.failures += 1
                 delay = self.queue.add_rate_limited(key)

@@ -1,7 +1,7 @@
 """kopf wiring: kopf watches VLLMDataParallel objects and hosts the controller.
 
-kopf here only lists and watches the owner kind, runs startup and cleanup, serves the liveness
-endpoint and posts Events. Its handler for the owner is a plain `on.event` that returns None,
+kopf here only lists and watches the owner kind, runs startup and cleanup, and serves the
+liveness endpoint. Its handler for the owner is a plain `on.event` that returns None,
 so kopf writes nothing on its own: no finalizer, no last-handled-configuration annotation, no
 progress annotations (a daemon, a timer or a changing handler would add each of those).
 The reconcile runs in the controller's workers (`controller.py`), woken by watch events.
@@ -9,7 +9,8 @@ The reconcile runs in the controller's workers (`controller.py`), woken by watch
 
 from __future__ import annotations
 
-from typing import Any, cast
+import logging
+from typing import Any
 
 import kopf
 
@@ -18,7 +19,6 @@ from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller import Controller
 from vllm_dp_operator.kube import ApiKube
 from vllm_dp_operator.probe import make_probe
-from vllm_dp_operator.reconcile import Event
 
 CONFIG = Config.from_env()
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
@@ -31,8 +31,12 @@ class _NoDiffBase(kopf.AnnotationsDiffBaseStorage):
         return kopf.BodyEssence()
 
 
-def _post(target: dict[str, Any], event: Event) -> None:
-    kopf.event(cast(kopf.Body, target), type=event.type, reason=event.reason, message=event.message)
+class _NoEventHandlerChatter(logging.Filter):
+    """Drop kopf's INFO line after every owner event: one per event, at 1,000 resources noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO
+                    and record.getMessage().startswith("Handler 'on_owner_event' succeeded"))
 
 
 @kopf.on.startup()
@@ -45,10 +49,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = _NoDiffBase(
         prefix=constants.GROUP, key="last-handled-configuration"
     )
+    logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
     kube = await ApiKube.connect()
-    controller = Controller(kube, CONFIG, make_probe(CONFIG.health_probe, kube.api,
-                                                     CONFIG.health_timeout_seconds),
-                            _post, namespace=CONFIG.watch_namespace or None)  # fmt: skip
+    probe = make_probe(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
+    controller = Controller(kube, CONFIG, probe, namespace=CONFIG.watch_namespace or None)
     controller.start()
     memo.kube, memo.controller = kube, controller
 

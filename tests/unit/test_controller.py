@@ -49,7 +49,8 @@ class Bed:
         self.api = api or FakeApi()
         self.probe = FakeProbe()
         self.events: list[Event] = []
-        self.ctl = Controller(self.api, cfg, self.probe, lambda _t, e: self.events.append(e))
+        self.ctl = Controller(self.api, cfg, self.probe,
+                              post_event=lambda _t, e: self.events.append(e))
 
     def add_owner(self, spec: dict[str, Any] = SPEC) -> None:
         self.api.put(VDP, {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
@@ -260,6 +261,27 @@ async def test_a_failed_reconcile_is_retried_with_backoff() -> None:
         await bed.until("children after a retry", lambda: bed.names(RAYCLUSTER)
                         and bed.names(SERVICE), timeout=3)  # fmt: skip
         assert bed.ctl.failures == 1
+    finally:
+        await bed.ctl.stop()
+
+
+class TerminatingApi(FakeApi):
+    """A namespace being deleted: every create is forbidden."""
+
+    async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        exc = ApiException(status=403, reason="Forbidden")
+        exc.body = '{"details": {"causes": [{"reason": "NamespaceTerminating"}]}}'
+        raise exc
+
+
+async def test_a_terminating_namespace_is_not_retried() -> None:
+    bed = Bed(api=TerminatingApi())
+    bed.ctl.start()
+    try:
+        bed.add_owner()
+        await bed.until("the failed reconcile", lambda: bed.ctl.failures == 1)
+        await asyncio.sleep(1.0)  # a retry would come after 0.5 s
+        assert bed.ctl.failures == 1 and bed.ctl.queue.due_in(KEY) is None
     finally:
         await bed.ctl.stop()
 
