@@ -154,14 +154,18 @@ class ObjectCache:
                     del self._index[kind][slot]
 
     def upsert(self, kind: Kind, raw: Obj) -> bool:
-        """Store an object (slimmed); False when the cache already holds a newer version."""
+        """Store an object (slimmed); False when the cache holds this version or a newer one.
+
+        So the watch's echo of the operator's own write, already stored from the write's
+        answer, is no news and wakes nobody.
+        """
         obj = slim(kind, raw)
         key = (obj["metadata"].get("namespace") or "", obj["metadata"]["name"])
         old = self._objects[kind].get(key)
         if old is not None:
             new_rv, old_rv = _rv(obj), _rv(old)
             same_uid = old["metadata"].get("uid") == obj["metadata"].get("uid")
-            if same_uid and new_rv is not None and old_rv is not None and new_rv < old_rv:
+            if same_uid and new_rv is not None and old_rv is not None and new_rv <= old_rv:
                 return False
             self._index_update(kind, old, add=False)
         self._objects[kind][key] = obj
@@ -231,6 +235,8 @@ class CachedKube:
         self._api = api
         self._cache = cache
         self.api_reads = 0
+        #: Successful creates and deletes: the controller reconciles once more after either.
+        self.creates_and_deletes = 0
 
     async def list(self, kind: Kind, namespace: str, selector: str) -> list[Obj]:
         """Objects of a kind in a namespace matching a label selector."""
@@ -250,6 +256,7 @@ class CachedKube:
     async def create(self, kind: Kind, namespace: str, body: Obj) -> Obj:
         """Create an object; raise AlreadyExists on 409."""
         obj = await self._api.create(kind, namespace, body)
+        self.creates_and_deletes += 1
         if self._cache.holds(kind):
             self._cache.upsert(kind, obj)
         return obj
@@ -264,5 +271,6 @@ class CachedKube:
     async def delete(self, kind: Kind, namespace: str, name: str) -> None:
         """Delete an object in the background; a missing object is not an error."""
         await self._api.delete(kind, namespace, name)
+        self.creates_and_deletes += 1
         if self._cache.holds(kind):
             self._cache.mark_deleting(kind, namespace, name)

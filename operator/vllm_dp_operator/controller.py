@@ -10,14 +10,17 @@
                                                                     into the cache)
 
 Each key (namespace, name) is reconciled by one worker at a time; events that arrive during a
-reconcile queue it once more. After each reconcile the key is scheduled again only when time
-matters: the /health cadence while Launching or Serving, the end of a relaunch backoff, and
-a rare safety resync. A resource at rest costs no API request.
+reconcile queue it once more, and so does the reconcile's own create or delete (the watch's
+echo of it is no news to the cache). Status changes go to the background status writer.
+After each reconcile the key is scheduled again only when time matters: the /health cadence
+while Launching or Serving, the end of a relaunch backoff, and a rare safety resync. A
+resource at rest costs no API request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -36,6 +39,7 @@ from vllm_dp_operator.informer import Reflector, WatchApi
 from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
 from vllm_dp_operator.probe import HealthProbe
 from vllm_dp_operator.reconcile import Event, Outcome, Resource, reconcile
+from vllm_dp_operator.status_writer import StatusWriter
 from vllm_dp_operator.workqueue import ShutDown, WorkQueue
 
 log = logging.getLogger(__name__)
@@ -109,10 +113,11 @@ class Controller:
             Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR, self._child_changed)
             for kind in CHILD_KINDS
         ]
+        self.status = StatusWriter(api, self.cache, self._gone, workers=max(2, cfg.workers // 4))
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         #: Counters for the liveness probe, logs and tests.
         self.reconciles = 0
-        self.status_patches = 0
         self.failures = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -125,14 +130,35 @@ class Controller:
         """Start the reflectors, and the workers (which wait until every cache is filled)."""
         if self.poster is not None:
             self._tasks += self.poster.start()
+        self._tasks += self.status.start()
         for reflector in self.reflectors:
             self._tasks.append(asyncio.create_task(reflector.run(), name=repr(reflector)))
         for i in range(self.cfg.workers):
             self._tasks.append(asyncio.create_task(self._worker(), name=f"worker-{i}"))
+        self._tasks.append(asyncio.create_task(self._announce(), name="announce"))
+        for task in self._tasks:
+            task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        # A task of ours never ends on its own: say loudly why it did (the liveness probe
+        # fails from now on, so the operator is restarted).
+        if self._stopping or task.cancelled() or task.get_name() == "announce":
+            return
+        log.error("Controller task %s stopped: %r", task.get_name(), task.exception())
+
+    async def _announce(self) -> None:
+        start = asyncio.get_running_loop().time()
+        await asyncio.gather(*(r.synced.wait() for r in self.reflectors))
+        counts = ", ".join(f"{self.cache.count(k)} {k.plural}" for k in CHILD_KINDS)
+        log.info("Caches filled in %.1fs (%s); reconciling",
+                 asyncio.get_running_loop().time() - start, counts)  # fmt: skip
 
     async def stop(self) -> None:
         """Stop handing out keys, then cancel every task."""
+        self._stopping = True
         self.queue.shutdown(self.cfg.workers)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.status.idle(), timeout=5)  # what is concluded is said
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -146,7 +172,7 @@ class Controller:
     def health(self) -> dict[str, Any]:
         """Liveness: raise when a task died; else the queue's and caches' numbers."""
         for task in self._tasks:
-            if task.done():
+            if task.done() and task.get_name() != "announce":
                 raise RuntimeError(f"controller task {task.get_name()} has stopped")
         return {
             "synced": self.synced,
@@ -226,29 +252,28 @@ class Controller:
         if owner["metadata"].get("deletionTimestamp"):
             return None  # owner references make the garbage collector take the children
         owner = copy.deepcopy(owner)
+        current = self.status.effective(key, owner.get("status") or {})
+        owner["status"] = current
+        made = self.kube.creates_and_deletes
         outcome = await reconcile(Resource.from_body(owner), self.kube, self.probe, self.cfg,
                                   self.clock())  # fmt: skip
         self.reconciles += 1
-        current = owner.get("status") or {}
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
         if changes:
-            await self._write_status(key, changes)
+            self.status.submit(key, changes)
         target = _event_target(owner)
         for event in outcome.events:
             self.post_event(target, event)
+        if self.kube.creates_and_deletes != made:
+            # The watch's echo of our own writes wakes nobody (the cache already holds them):
+            # look once more, so the reconcile reaches a fixed point, as after an echo.
+            self.queue.add(key)
         self.queue.add_after(key, next_wake(self.cfg, outcome))
         return outcome
 
-    async def _write_status(self, key: Key, changes: dict[str, Any]) -> None:
-        try:
-            obj = await self.api.patch_status(VDP, key[0], key[1], changes)
-        except ApiException as exc:
-            if exc.status == 404:
-                # Deleted without a DELETED event reaching us (kopf relists after a 410 without
-                # reporting deletions): forget the owner; the GC takes what it owned.
-                self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1]}})
-                self.queue.drop(key)
-                return
-            raise
-        self.status_patches += 1
-        self.cache.upsert(VDP, obj)
+    def _gone(self, key: Key) -> None:
+        # A status patch answered 404: the resource was deleted without a DELETED event
+        # reaching us (kopf relists after a 410 without reporting deletions). Forget it; the
+        # garbage collector takes whatever it owned.
+        self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1]}})
+        self.queue.drop(key)

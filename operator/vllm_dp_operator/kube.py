@@ -36,6 +36,9 @@ class Kind:
         return f"{base}/{self.plural}"
 
 
+#: Seconds one non-watch API request may take.
+REQUEST_TIMEOUT = 60.0
+
 VDP = Kind(constants.GROUP, constants.VERSION, constants.PLURAL)
 RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
 RAYJOB = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayjobs")
@@ -114,6 +117,8 @@ class ApiKube:
             response_types_map={200: "object", 201: "object", 202: "object"},
             auth_settings=["BearerToken"],
             _return_http_data_only=True,
+            # Without a bound, one stalled connection would hold a worker for ever.
+            _request_timeout=REQUEST_TIMEOUT,
         )
 
     async def list(self, kind: Kind, namespace: str, selector: str) -> list[dict[str, Any]]:

@@ -131,6 +131,16 @@ async def test_child_events_reconcile_within_a_second_with_no_timer(bed: Bed) ->
     assert [e.reason for e in bed.events].count(c.REASON_JOB_FAILED) == 1
 
 
+async def test_own_writes_echo_wakes_nothing_but_one_follow_up_runs(bed: Bed) -> None:
+    bed.add_owner()
+    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
+    await bed.settle()
+    # The first reconcile creates; the one after it sees the cluster it made (from the cache)
+    # and says what it waits for. The watch's ADDED echoes of both creates wake nothing more.
+    assert bed.ctl.reconciles == 2
+    assert "Ray head not ready" in bed.status()["message"]
+
+
 async def test_pending_pod_event_explains_itself_in_status(bed: Bed) -> None:
     bed.add_owner({**SPEC, "gpu": {"perPod": 8}})
     await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
@@ -156,6 +166,7 @@ async def test_api_calls_per_reconcile_are_pinned_and_never_list() -> None:
             await asyncio.sleep(0.02)  # let the watches deliver the last writes
             before = Counter(bed.api.calls)
             await bed.ctl.process(KEY)
+            await bed.ctl.status.idle()  # status changes are written in the background
             return {k: v for k, v in (Counter(bed.api.calls) - before).items() if v}
 
         assert await one() == {"create": 2, "patch_status": 1}  # Service, RayCluster, status
@@ -198,8 +209,8 @@ async def test_own_status_echo_wakes_nothing_but_a_spec_change_does(bed: Bed) ->
     bed.kopf_event("MODIFIED")  # the echo of our own status patch
     await bed.settle()
     assert bed.ctl.reconciles == before
-    bed.owner()["spec"] = {**SPEC, "suspend": True}
-    bed.owner()["metadata"]["generation"] = 2
+    await bed.api.patch(VDP, "default", "demo", {"spec": {"suspend": True},
+                                                 "metadata": {"generation": 2}})  # a user
     bed.kopf_event("MODIFIED")
     await bed.until("Suspended", lambda: bed.status().get("phase") == c.PHASE_SUSPENDED)
     bed.kopf_event("DELETED")
@@ -282,6 +293,48 @@ async def test_a_terminating_namespace_is_not_retried() -> None:
         await bed.until("the failed reconcile", lambda: bed.ctl.failures == 1)
         await asyncio.sleep(1.0)  # a retry would come after 0.5 s
         assert bed.ctl.failures == 1 and bed.ctl.queue.due_in(KEY) is None
+    finally:
+        await bed.ctl.stop()
+
+
+class SlowStatusApi(FakeApi):
+    """Holds every status patch until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        await self.gate.wait()
+        return await super().patch_status(kind, namespace, name, status)
+
+
+async def test_a_status_patch_in_flight_is_what_the_next_reconcile_reads() -> None:
+    api = SlowStatusApi()
+    bed = Bed(replace(CFG, backoff_base_seconds=HOUR, backoff_cap_seconds=HOUR), api=api)
+    bed.ctl.start()
+    try:
+        bed.add_owner()
+        await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
+        bed.cluster_ready()
+        await bed.until("the head job", lambda: bed.names(RAYJOB))
+        await bed.settle()
+        await bed.ctl.status.idle()
+        api.gate.clear()  # the API server is slow to answer status patches from now on
+        bed.api.set_status(RAYJOB, "default", "demo-launch-1", {"jobStatus": "FAILED"})
+        await bed.until("the failure counted", lambda: bed.ctl.reconciles and any(
+            e.reason == c.REASON_JOB_FAILED for e in bed.events))  # fmt: skip
+        before = bed.ctl.reconciles
+        labels = {c.LABEL_INSTANCE: "demo", c.LABEL_MANAGED_BY: c.MANAGER}
+        bed.api.put(POD, {"metadata": {"name": "p", "labels": labels}})  # another wake
+        await bed.until("another reconcile", lambda: bed.ctl.reconciles > before)
+        api.gate.set()
+        await bed.ctl.status.idle()
+        assert bed.status()["consecutiveFailures"] == 1
+        assert [e.reason for e in bed.events].count(c.REASON_JOB_FAILED) == 1
     finally:
         await bed.ctl.stop()
 
