@@ -113,7 +113,7 @@ class Controller:
             Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR, self._child_changed)
             for kind in CHILD_KINDS
         ]
-        self.status = StatusWriter(api, self.cache, self._gone, workers=max(2, cfg.workers // 4))
+        self.status = StatusWriter(api, self.cache, self._gone, workers=max(2, cfg.workers // 8))
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         #: Counters for the liveness probe, logs and tests.
