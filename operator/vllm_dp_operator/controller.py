@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, POD)
+#: Longest a status patch or an Event waits for the reconciles to drain.
+QUIET_WAIT = 2.0
 
 
 class ControllerApi(Kube, WatchApi, Protocol):
@@ -103,7 +105,7 @@ class Controller:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe = api, cfg, probe
-        self.poster = EventPoster(api) if post_event is None else None
+        self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
         self.post_event = post_event or self._post
         self.clock = clock
         self.cache = ObjectCache((*CHILD_KINDS, VDP))
@@ -113,14 +115,31 @@ class Controller:
             Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR, self._child_changed)
             for kind in CHILD_KINDS
         ]
-        self.status = StatusWriter(api, self.cache, self._gone, workers=max(2, cfg.workers // 8))
+        self.status = StatusWriter(api, self.cache, self._gone, workers=max(2, cfg.workers // 8),
+                                   gate=self._quiet)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        #: Resources not reconciled yet since they appeared (or since the operator started).
+        self._new: set[Key] = set()
+        self._no_new = asyncio.Event()
+        self._no_new.set()
         #: Counters for the liveness probe, logs and tests.
         self.reconciles = 0
         self.failures = 0
 
     # ------------------------------------------------------------------ lifecycle
+
+    async def _quiet(self, most: float = QUIET_WAIT) -> None:
+        # Status patches and Events wait, at most `most` seconds each, while new resources
+        # wait for their first reconcile: in a burst the API server's capacity goes to
+        # creating children first, and reporting trickles on meanwhile.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_new.wait(), timeout=most)
+
+    def _settled(self, key: Key) -> None:
+        self._new.discard(key)
+        if not self._new:
+            self._no_new.set()
 
     def _post(self, target: Obj, event: Event) -> None:
         assert self.poster is not None
@@ -192,11 +211,15 @@ class Controller:
         if event_type == "DELETED":
             self.cache.remove(VDP, body)
             self.queue.drop(key)
+            self._settled(key)
             return
         old = self.cache.peek(VDP, *key)
         old_meta = dict(old["metadata"]) if old is not None else None
         if not self.cache.upsert(VDP, body):
             return  # older than what a status patch already told us
+        if old_meta is None:
+            self._new.add(key)
+            self._no_new.clear()
         # Our own status patches echo back here: those alone wake nothing.
         if (
             old_meta is None
@@ -230,6 +253,7 @@ class Controller:
                     # Its namespace is being deleted, and the resource with it.
                     log.info("Namespace %s is terminating; not reconciling %s", *key)
                     self.queue.drop(key)
+                    self._settled(key)
                     continue
                 delay = self.queue.add_rate_limited(key)
                 log.warning("Reconcile of %s/%s failed: HTTP %s %s; retrying in %.1fs", *key,
@@ -246,11 +270,12 @@ class Controller:
     async def process(self, key: Key) -> Outcome | None:
         """Reconcile one resource from the cache, write what changed, schedule its next wake."""
         owner = self.cache.peek(VDP, *key)
-        if owner is None:
-            self.queue.drop(key)
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            # Gone, or going: owner references make the garbage collector take the children.
+            if owner is None:
+                self.queue.drop(key)
+            self._settled(key)
             return None
-        if owner["metadata"].get("deletionTimestamp"):
-            return None  # owner references make the garbage collector take the children
         owner = copy.deepcopy(owner)
         current = self.status.effective(key, owner.get("status") or {})
         owner["status"] = current
@@ -258,6 +283,7 @@ class Controller:
         outcome = await reconcile(Resource.from_body(owner), self.kube, self.probe, self.cfg,
                                   self.clock())  # fmt: skip
         self.reconciles += 1
+        self._settled(key)
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
         if changes:
             self.status.submit(key, changes)
@@ -277,3 +303,4 @@ class Controller:
         # garbage collector takes whatever it owned.
         self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1]}})
         self.queue.drop(key)
+        self._settled(key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,8 +49,10 @@ def event_body(target: dict[str, Any], type_: str, reason: str, message: str,
 class EventPoster:
     """A bounded queue of Events and the few workers that post them."""
 
-    def __init__(self, kube: Kube, workers: int = 2, backlog: int = 10_000) -> None:
+    def __init__(self, kube: Kube, workers: int = 2, backlog: int = 10_000,
+                 gate: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
         self._kube = kube
+        self._gate = gate
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=backlog)
         self._workers = workers
         self._tasks: list[asyncio.Task[None]] = []
@@ -73,6 +76,8 @@ class EventPoster:
     async def _work(self) -> None:
         while True:
             body = await self._queue.get()
+            if self._gate is not None:
+                await self._gate()
             try:
                 await self._kube.create(EVENT, body["metadata"]["namespace"], body)
                 self.posted += 1

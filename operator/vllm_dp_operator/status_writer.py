@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -39,8 +39,10 @@ class StatusWriter:
     """Pending status changes per resource, and the workers that patch them."""
 
     def __init__(self, api: StatusApi, cache: ObjectCache, on_gone: Callable[[Key], None],
-                 workers: int = 4, retry_seconds: float = 1.0) -> None:  # fmt: skip
+                 workers: int = 4, retry_seconds: float = 1.0,
+                 gate: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
         self._api, self._cache, self._on_gone = api, cache, on_gone
+        self._gate = gate
         self._workers, self._retry = workers, retry_seconds
         self._pending: dict[Key, dict[str, Any]] = {}
         self._order: asyncio.Queue[Key] = asyncio.Queue()
@@ -87,6 +89,8 @@ class StatusWriter:
     async def _work(self) -> None:
         while True:
             key = await self._order.get()
+            if self._gate is not None:
+                await self._gate()  # children before status, while reconciles are waiting
             self._queued.discard(key)
             sent = dict(self._pending.get(key) or {})
             if not sent:

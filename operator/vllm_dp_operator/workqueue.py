@@ -34,6 +34,9 @@ class WorkQueue(Generic[K]):
         self._backoff_base = backoff_base
         self._backoff_cap = backoff_cap
         self._shut = False
+        #: Set while no key waits and none is in flight (scheduled adds do not count).
+        self.idle = asyncio.Event()
+        self.idle.set()
         #: Keys handed to workers since start (for the liveness probe and tests).
         self.handed_out = 0
 
@@ -60,6 +63,7 @@ class WorkQueue(Generic[K]):
         if key in self._queued:
             return
         self._queued.add(key)
+        self.idle.clear()
         self._order.put_nowait(key)
 
     def add_after(self, key: K, delay: float) -> None:
@@ -130,6 +134,8 @@ class WorkQueue(Generic[K]):
         if key in self._dirty:
             self._dirty.discard(key)
             self.add(key)
+        if not self._queued and not self._processing:
+            self.idle.set()
 
     def shutdown(self, workers: int = 1) -> None:
         """Stop handing out keys and wake every waiting worker."""

@@ -62,6 +62,10 @@ class FakeApi(FakeKube):
         self._changed = asyncio.Event()
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(0)  # a real call yields to other tasks while it waits
+        if "name" not in body["metadata"]:  # generateName, as Events use
+            body = copy.deepcopy(body)
+            body["metadata"]["name"] = f"{body['metadata']['generateName']}{self.rv + 1}"
         await super().create(kind, namespace, body)
         obj = self.objects[(kind, namespace, body["metadata"]["name"])]
         obj["metadata"].setdefault("namespace", namespace)
@@ -71,6 +75,7 @@ class FakeApi(FakeKube):
     async def patch(
         self, kind: Kind, namespace: str, name: str, body: dict[str, Any]
     ) -> dict[str, Any]:
+        await asyncio.sleep(0)
         await super().patch(kind, namespace, name, body)
         obj = self.objects[(kind, namespace, name)]
         self._emit(kind, "MODIFIED", obj)
@@ -86,6 +91,7 @@ class FakeApi(FakeKube):
         self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
     ) -> dict[str, Any]:
         self.calls["patch_status"] += 1
+        await asyncio.sleep(0)
         obj = self.objects.get((kind, namespace, name))
         if obj is None:
             raise ApiException(status=404, reason="Not Found")

@@ -19,6 +19,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller import Controller, next_wake
+from vllm_dp_operator.events import EVENT, EventPoster
 from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
 from vllm_dp_operator.probe import ProbeResult
 from vllm_dp_operator.reconcile import Event, Outcome
@@ -139,6 +140,29 @@ async def test_own_writes_echo_wakes_nothing_but_one_follow_up_runs(bed: Bed) ->
     # and says what it waits for. The watch's ADDED echoes of both creates wake nothing more.
     assert bed.ctl.reconciles == 2
     assert "Ray head not ready" in bed.status()["message"]
+
+
+async def test_in_a_burst_children_come_before_status_and_events() -> None:
+    bed = Bed(replace(CFG, workers=1))
+    bed.ctl.post_event = bed.ctl._post  # the real background poster, gated like the status
+    bed.ctl.poster = EventPoster(bed.api, gate=bed.ctl._quiet)
+    bed.ctl.start()
+    try:
+        await bed.until("the caches filled", lambda: bed.ctl.synced)
+        for name in ("a", "b", "c"):
+            bed.api.put(VDP, {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+                              "metadata": {"name": name, "generation": 1}, "spec": SPEC})
+            bed.ctl.owner_event("ADDED", copy.deepcopy(bed.api.objects[(VDP, "default", name)]))
+        await bed.until("three statuses", lambda: sum(
+            1 for (k, _, _), o in bed.api.objects.items() if k == VDP and o.get("status")) == 3)
+        await bed.until("the events", lambda: bed.ctl.poster.posted >= 3)  # type: ignore[union-attr]
+        kinds = [(k, type_) for _, k, type_, _ in bed.api.log]
+        last_child = max(i for i, (k, t) in enumerate(kinds) if k == RAYCLUSTER and t == "ADDED")
+        first_report = min(i for i, (k, t) in enumerate(kinds)
+                           if (k == VDP and t == "MODIFIED") or k == EVENT)
+        assert last_child < first_report, kinds
+    finally:
+        await bed.ctl.stop()
 
 
 async def test_pending_pod_event_explains_itself_in_status(bed: Bed) -> None:

@@ -33,6 +33,19 @@ async def test_add_while_in_flight_requeues_once_after_done() -> None:
     assert len(q) == 0
 
 
+async def test_idle_is_set_only_with_nothing_queued_or_in_flight() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    assert q.idle.is_set()
+    q.add("a")
+    assert not q.idle.is_set()
+    key = await q.get()
+    assert not q.idle.is_set()
+    q.done(key)
+    assert q.idle.is_set()
+    q.add_after("b", 30)
+    assert q.idle.is_set(), "a scheduled add is not work yet"
+
+
 async def test_add_after_keeps_the_earliest_deadline() -> None:
     q: WorkQueue[str] = WorkQueue()
     q.add_after("a", 30)
