@@ -235,8 +235,6 @@ class CachedKube:
         self._api = api
         self._cache = cache
         self.api_reads = 0
-        #: Successful creates and deletes: the controller reconciles once more after either.
-        self.creates_and_deletes = 0
 
     async def list(self, kind: Kind, namespace: str, selector: str) -> list[Obj]:
         """Objects of a kind in a namespace matching a label selector."""
@@ -256,7 +254,6 @@ class CachedKube:
     async def create(self, kind: Kind, namespace: str, body: Obj) -> Obj:
         """Create an object; raise AlreadyExists on 409."""
         obj = await self._api.create(kind, namespace, body)
-        self.creates_and_deletes += 1
         if self._cache.holds(kind):
             self._cache.upsert(kind, obj)
         return obj
@@ -271,6 +268,40 @@ class CachedKube:
     async def delete(self, kind: Kind, namespace: str, name: str) -> None:
         """Delete an object in the background; a missing object is not an error."""
         await self._api.delete(kind, namespace, name)
-        self.creates_and_deletes += 1
         if self._cache.holds(kind):
             self._cache.mark_deleting(kind, namespace, name)
+
+
+class CountingKube:
+    """One reconcile's view of a Kube: passes every call on, counts its creates and deletes.
+
+    Per reconcile, not shared: with several workers, a shared counter would move with the
+    other workers' writes too.
+    """
+
+    def __init__(self, kube: Kube) -> None:
+        self._kube = kube
+        self.creates_and_deletes = 0
+
+    async def list(self, kind: Kind, namespace: str, selector: str) -> list[Obj]:
+        """Objects of a kind in a namespace matching a label selector."""
+        return await self._kube.list(kind, namespace, selector)
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
+        """One object, or None when it does not exist."""
+        return await self._kube.get(kind, namespace, name)
+
+    async def create(self, kind: Kind, namespace: str, body: Obj) -> Obj:
+        """Create an object; raise AlreadyExists on 409."""
+        obj = await self._kube.create(kind, namespace, body)
+        self.creates_and_deletes += 1
+        return obj
+
+    async def patch(self, kind: Kind, namespace: str, name: str, body: Obj) -> Obj:
+        """JSON merge-patch an object."""
+        return await self._kube.patch(kind, namespace, name, body)
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        """Delete an object in the background; a missing object is not an error."""
+        await self._kube.delete(kind, namespace, name)
+        self.creates_and_deletes += 1

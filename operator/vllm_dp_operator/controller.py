@@ -25,6 +25,7 @@ import copy
 import json
 import logging
 import random
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -32,7 +33,14 @@ from typing import Any, Protocol
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.cache import MANAGED_SELECTOR, CachedKube, Obj, ObjectCache, owner_key
+from vllm_dp_operator.cache import (
+    MANAGED_SELECTOR,
+    CachedKube,
+    CountingKube,
+    Obj,
+    ObjectCache,
+    owner_key,
+)
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.events import EventPoster
 from vllm_dp_operator.informer import Reflector, WatchApi
@@ -112,9 +120,12 @@ class Controller:
         self.kube = CachedKube(api, self.cache)
         self.queue: WorkQueue[Key] = WorkQueue()
         self.reflectors = [
-            Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR, self._child_changed)
+            Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR,
+                      lambda obj, kind=kind: self._child_changed(kind, obj))  # type: ignore[misc]
             for kind in CHILD_KINDS
-        ]
+        ]  # fmt: skip
+        #: What woke resources, by source: the owner, a child kind, a follow-up, a retry.
+        self.wakes: Counter[str] = Counter()
         self.status = StatusWriter(api, self.cache, self._gone, workers=max(2, cfg.workers // 8),
                                    gate=self._quiet)
         self._tasks: list[asyncio.Task[None]] = []
@@ -199,6 +210,7 @@ class Controller:
             "in_flight": self.queue.in_flight,
             "scheduled": self.queue.scheduled,
             "reconciles": self.reconciles,
+            "wakes": {**self.wakes, "timer": self.queue.fired},
             "cached": {k.plural: self.cache.count(k) for k in (*CHILD_KINDS, VDP)},
         }
 
@@ -227,11 +239,13 @@ class Controller:
             or old_meta.get("uid") != meta.get("uid")
             or old_meta.get("deletionTimestamp") != meta.get("deletionTimestamp")
         ):
+            self.wakes["owner"] += 1
             self.queue.add(key)
 
-    def _child_changed(self, obj: Obj) -> None:
+    def _child_changed(self, kind: Kind, obj: Obj) -> None:
         key = owner_key(obj)
         if key is not None:
+            self.wakes[kind.plural] += 1
             self.queue.add(key)
 
     # ------------------------------------------------------------------ workers
@@ -255,11 +269,13 @@ class Controller:
                     self.queue.drop(key)
                     self._settled(key)
                     continue
+                self.wakes["retry"] += 1
                 delay = self.queue.add_rate_limited(key)
                 log.warning("Reconcile of %s/%s failed: HTTP %s %s; retrying in %.1fs", *key,
                             exc.status, _api_message(exc), delay)  # fmt: skip
             except Exception:
                 self.failures += 1
+                self.wakes["retry"] += 1
                 delay = self.queue.add_rate_limited(key)
                 log.exception("Reconcile of %s/%s failed; retrying in %.1fs", *key, delay)
             else:
@@ -279,8 +295,8 @@ class Controller:
         owner = copy.deepcopy(owner)
         current = self.status.effective(key, owner.get("status") or {})
         owner["status"] = current
-        made = self.kube.creates_and_deletes
-        outcome = await reconcile(Resource.from_body(owner), self.kube, self.probe, self.cfg,
+        kube = CountingKube(self.kube)
+        outcome = await reconcile(Resource.from_body(owner), kube, self.probe, self.cfg,
                                   self.clock())  # fmt: skip
         self.reconciles += 1
         self._settled(key)
@@ -290,9 +306,10 @@ class Controller:
         target = _event_target(owner)
         for event in outcome.events:
             self.post_event(target, event)
-        if self.kube.creates_and_deletes != made:
+        if kube.creates_and_deletes:
             # The watch's echo of our own writes wakes nobody (the cache already holds them):
             # look once more, so the reconcile reaches a fixed point, as after an echo.
+            self.wakes["follow-up"] += 1
             self.queue.add(key)
         self.queue.add_after(key, next_wake(self.cfg, outcome))
         return outcome

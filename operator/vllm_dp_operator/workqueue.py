@@ -37,8 +37,9 @@ class WorkQueue(Generic[K]):
         #: Set while no key waits and none is in flight (scheduled adds do not count).
         self.idle = asyncio.Event()
         self.idle.set()
-        #: Keys handed to workers since start (for the liveness probe and tests).
+        #: Keys handed to workers, and scheduled adds that fired, since start.
         self.handed_out = 0
+        self.fired = 0
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -91,6 +92,7 @@ class WorkQueue(Generic[K]):
 
     def _fire(self, key: K) -> None:
         self._timers.pop(key, None)
+        self.fired += 1
         self.add(key)
 
     def add_rate_limited(self, key: K) -> float:

@@ -30,6 +30,8 @@ class FakeApi(FakeKube):
         self.streams: Counter[Kind] = Counter()
         self._changed = asyncio.Event()
         self._epoch = 0
+        #: Seconds each write takes, as a real API server's round trip would.
+        self.latency = 0.0
 
     def _emit(self, kind: Kind, type_: str, obj: dict[str, Any]) -> None:
         self.rv += 1
@@ -62,7 +64,7 @@ class FakeApi(FakeKube):
         self._changed = asyncio.Event()
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        await asyncio.sleep(0)  # a real call yields to other tasks while it waits
+        await asyncio.sleep(self.latency)  # a real call yields to other tasks while it waits
         if "name" not in body["metadata"]:  # generateName, as Events use
             body = copy.deepcopy(body)
             body["metadata"]["name"] = f"{body['metadata']['generateName']}{self.rv + 1}"
@@ -75,7 +77,7 @@ class FakeApi(FakeKube):
     async def patch(
         self, kind: Kind, namespace: str, name: str, body: dict[str, Any]
     ) -> dict[str, Any]:
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.latency)
         await super().patch(kind, namespace, name, body)
         obj = self.objects[(kind, namespace, name)]
         self._emit(kind, "MODIFIED", obj)
@@ -91,7 +93,7 @@ class FakeApi(FakeKube):
         self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
     ) -> dict[str, Any]:
         self.calls["patch_status"] += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.latency)
         obj = self.objects.get((kind, namespace, name))
         if obj is None:
             raise ApiException(status=404, reason="Not Found")

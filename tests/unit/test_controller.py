@@ -165,6 +165,27 @@ async def test_in_a_burst_children_come_before_status_and_events() -> None:
         await bed.ctl.stop()
 
 
+async def test_a_burst_costs_two_reconciles_per_resource() -> None:
+    bed = Bed(replace(CFG, workers=8))
+    bed.api.latency = 0.005  # writes overlap, as on a real API server
+    bed.ctl.start()
+    try:
+        await bed.until("the caches filled", lambda: bed.ctl.synced)
+        for i in range(40):
+            bed.api.put(VDP, {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+                              "metadata": {"name": f"r{i}", "generation": 1}, "spec": SPEC})
+            bed.ctl.owner_event("ADDED",
+                                copy.deepcopy(bed.api.objects[(VDP, "default", f"r{i}")]))
+        await bed.until("80 children", lambda: len(bed.api.named(RAYCLUSTER))
+                        + len(bed.api.named(SERVICE)) == 80, timeout=5)  # fmt: skip
+        await bed.settle()
+        # Each: the one that creates, and the one after it that finds its writes in the cache;
+        # other workers' writes meanwhile are no reason to look again.
+        assert bed.ctl.reconciles == 80
+    finally:
+        await bed.ctl.stop()
+
+
 async def test_pending_pod_event_explains_itself_in_status(bed: Bed) -> None:
     bed.add_owner({**SPEC, "gpu": {"perPod": 8}})
     await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
