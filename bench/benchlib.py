@@ -110,8 +110,9 @@ class BenchOperator:
     def __init__(self, tb: Testbed, log: Path) -> None:
         self.tb, self.log = tb, log
         self.proc: OperatorProcess | None = None
-        #: The VLLMDP_* settings of the running process.
+        #: The VLLMDP_* settings of the running process, and the overrides of the defaults.
         self.settings: dict[str, str] = {}
+        self.overrides: dict[str, str] = {}
 
     def setup(self) -> None:
         install_crd(self.tb)
@@ -140,6 +141,7 @@ class BenchOperator:
         self.tb.kubectl("apply", "-f", "-", input=yaml.safe_dump(schema))
 
     def start(self, **settings: str) -> None:
+        self.overrides = settings
         env = {**self.tb.operator_env(), "KUBECONFIG": str(self.kubeconfig)}
         self.settings = {**shipped_settings(**settings), "VLLMDP_HEALTH_PROBE": "off"}
         self.proc = OperatorProcess(env, self.log, self.settings)

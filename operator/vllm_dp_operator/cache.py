@@ -9,7 +9,6 @@ reconcile and status read stays, the rest would only cost memory.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -75,6 +74,16 @@ def slim(kind: Kind, obj: Obj) -> Obj:
     return {**head, "metadata": _meta(obj), **body}
 
 
+def json_copy(value: Any) -> Any:
+    """A deep copy of JSON-shaped data (dicts, lists, scalars), several times faster than
+    copy.deepcopy, which spent most of a reconcile's CPU on copying cached objects."""
+    if isinstance(value, dict):
+        return {k: json_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_copy(v) for v in value]
+    return value
+
+
 def parse_selector(selector: str) -> dict[str, str] | None:
     """An equality-only label selector as a dict; None for anything else (sets, !=, exists)."""
     terms: dict[str, str] = {}
@@ -122,7 +131,7 @@ class ObjectCache:
     def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
         """A copy of one cached object, or None."""
         obj = self.peek(kind, namespace, name)
-        return copy.deepcopy(obj) if obj is not None else None
+        return json_copy(obj) if obj is not None else None
 
     def select(self, kind: Kind, namespace: str, terms: dict[str, str]) -> list[Obj]:
         """Copies of the objects of a kind in a namespace whose labels match every term."""
@@ -134,7 +143,7 @@ class ObjectCache:
         else:
             candidates = [o for (ns, _), o in sorted(objects.items()) if ns == namespace]
         return [
-            copy.deepcopy(o) for o in candidates
+            json_copy(o) for o in candidates
             if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in terms.items())
         ]  # fmt: skip
 

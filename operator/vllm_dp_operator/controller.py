@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import random
@@ -39,6 +38,7 @@ from vllm_dp_operator.cache import (
     CountingKube,
     Obj,
     ObjectCache,
+    json_copy,
     owner_key,
 )
 from vllm_dp_operator.config import Config
@@ -240,7 +240,7 @@ class Controller:
             or old_meta.get("deletionTimestamp") != meta.get("deletionTimestamp")
         ):
             self.wakes["owner"] += 1
-            self.queue.add(key)
+            self.queue.add(key, urgent=old_meta is None)
 
     def _child_changed(self, kind: Kind, obj: Obj) -> None:
         key = owner_key(obj)
@@ -292,7 +292,7 @@ class Controller:
                 self.queue.drop(key)
             self._settled(key)
             return None
-        owner = copy.deepcopy(owner)
+        owner = json_copy(owner)
         current = self.status.effective(key, owner.get("status") or {})
         owner["status"] = current
         kube = CountingKube(self.kube)

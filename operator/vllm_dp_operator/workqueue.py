@@ -1,6 +1,8 @@
 """A deduplicating work queue of resource keys, shaped like client-go's workqueue.
 
 - A key waits in the queue at most once: a burst of events for one resource is one reconcile.
+- Urgent keys (resources not reconciled yet) go first: in a burst of new resources, their
+  children are made before anything is looked at again.
 - A key is never handed to two workers at once; an add while it is processed marks it dirty,
   and it is queued again once the worker is done (so no event is lost).
 - `add_after` schedules a key on the event loop's clock (`call_at`), keeping only the earliest
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
@@ -26,6 +29,7 @@ class WorkQueue(Generic[K]):
 
     def __init__(self, backoff_base: float = 0.5, backoff_cap: float = 300.0) -> None:
         self._order: asyncio.Queue[K] = asyncio.Queue()
+        self._urgent: deque[K] = deque()
         self._queued: set[K] = set()
         self._processing: set[K] = set()
         self._dirty: set[K] = set()
@@ -54,18 +58,23 @@ class WorkQueue(Generic[K]):
         """Keys with a pending delayed add."""
         return len(self._timers)
 
-    def add(self, key: K) -> None:
-        """Queue a key now, unless it already waits; mark it dirty if it is in flight."""
+    def add(self, key: K, urgent: bool = False) -> None:
+        """Queue a key now, unless it already waits; mark it dirty if it is in flight.
+
+        An urgent key (a resource never reconciled yet) is handed out before the others.
+        """
         if self._shut:
             return
         if key in self._processing:
             self._dirty.add(key)
             return
+        if urgent:
+            self._urgent.append(key)  # its entry in the FIFO below is skipped when reached
         if key in self._queued:
             return
         self._queued.add(key)
         self.idle.clear()
-        self._order.put_nowait(key)
+        self._order.put_nowait(key)  # also wakes a waiting worker for an urgent key
 
     def add_after(self, key: K, delay: float) -> None:
         """Queue a key after `delay` seconds; an earlier pending deadline wins."""
@@ -120,10 +129,10 @@ class WorkQueue(Generic[K]):
         while True:
             if self._shut:
                 raise ShutDown
-            key = await self._order.get()
+            key = self._urgent.popleft() if self._urgent else await self._order.get()
             if self._shut:
                 raise ShutDown
-            if key not in self._queued:  # a sentinel from shutdown, or dropped meanwhile
+            if key not in self._queued:  # handed out already, or a sentinel from shutdown
                 continue
             self._queued.discard(key)
             self._processing.add(key)

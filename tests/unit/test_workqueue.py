@@ -19,6 +19,26 @@ async def test_a_burst_of_adds_queues_a_key_once() -> None:
     assert len(q) == 0
 
 
+async def test_urgent_keys_are_handed_out_first() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    for key in ("a", "b", "c"):
+        q.add(key)
+    q.add("new1", urgent=True)
+    q.add("b", urgent=True)  # already waiting: promoted
+    q.add("new2", urgent=True)
+    got = [await q.get() for _ in range(5)]
+    assert got == ["new1", "b", "new2", "a", "c"]
+    assert len(q) == 0
+
+
+async def test_an_urgent_key_wakes_a_waiting_worker() -> None:
+    q: WorkQueue[str] = WorkQueue()
+    waiting = asyncio.create_task(q.get())
+    await asyncio.sleep(0)
+    q.add("new", urgent=True)
+    assert await asyncio.wait_for(waiting, timeout=1) == "new"
+
+
 async def test_add_while_in_flight_requeues_once_after_done() -> None:
     q: WorkQueue[str] = WorkQueue()
     q.add("a")
