@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -125,19 +126,24 @@ def check_stop_wait(plan: LaunchPlan, env: Mapping[str, str]) -> None:
     """Say how long a stop may drain, and warn when Ray would cut it shorter than planned."""
     raw = env.get(STOP_WAIT_ENV)
     try:
-        ray_wait = float(raw) if raw else float(RAY_DEFAULT_STOP_WAIT_S)
+        # Ray's job supervisor reads it with int(): anything else breaks the job's stop.
+        ray_wait = int(raw) if raw else RAY_DEFAULT_STOP_WAIT_S
     except ValueError:
-        log.warning("%s=%r is not a number; Ray then fails to stop this job", STOP_WAIT_ENV, raw)
+        log.warning(
+            "%s=%r is not an integer: Ray's job supervisor fails on it when it stops this job",
+            STOP_WAIT_ENV, raw,
+        )  # fmt: skip
         return
     source = f"{STOP_WAIT_ENV}={raw}" if raw else f"Ray's default, {STOP_WAIT_ENV} unset"
     if plan.drain_grace_seconds is not None and ray_wait < plan.drain_grace_seconds:
         log.warning(
-            "a Ray job stop SIGKILLs vllm serve %gs after its SIGTERM (%s), before the planned "
-            "drain grace of %gs; the Ray pods need %s=%g",
-            ray_wait, source, plan.drain_grace_seconds, STOP_WAIT_ENV, plan.drain_grace_seconds,
+            "a Ray job stop SIGKILLs vllm serve %ds after its SIGTERM (%s), before the planned "
+            "drain grace of %gs; the Ray pods need %s=%d",
+            ray_wait, source, plan.drain_grace_seconds, STOP_WAIT_ENV,
+            math.ceil(plan.drain_grace_seconds),
         )  # fmt: skip
     else:
-        log.info("a Ray job stop gives vllm serve %gs to exit (%s)", ray_wait, source)
+        log.info("a Ray job stop gives vllm serve %ds to exit (%s)", ray_wait, source)
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:
@@ -201,7 +207,9 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
         command,
         env,
         drain_grace=plan.drain_grace_seconds,
-        on_start=lambda child: health.watch(url, alive=lambda: child.poll() is None),
+        on_start=lambda child, stopping: health.watch(
+            url, alive=lambda: child.poll() is None and not stopping()
+        ),
     )
     status, cause = final_status(run)
     if run.stop_signal is None:

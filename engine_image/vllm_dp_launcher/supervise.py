@@ -47,12 +47,13 @@ def run_engine(
     argv: Sequence[str],
     env: Mapping[str, str],
     drain_grace: float | None = None,
-    on_start: Callable[[subprocess.Popen[bytes]], object] | None = None,
+    on_start: Callable[[subprocess.Popen[bytes], Callable[[], bool]], object] | None = None,
 ) -> EngineRun:
     """Run ``argv`` with ``env``; forward SIGTERM/SIGINT; return how it ended.
 
     After the first forwarded signal the engine has ``drain_grace`` seconds (None: no limit
-    here) before its process group is killed. ``on_start`` is called with the child.
+    here) before its process group is killed. ``on_start`` is called with the child and a
+    function that says whether a stop signal has arrived.
     """
     children: list[subprocess.Popen[bytes]] = []
     stops: list[int] = []
@@ -111,7 +112,7 @@ def run_engine(
         log.info("started engine (pid %d): %s", child.pid, shlex.join(argv))
         stages.enter(stages.ENGINE_STARTING, pid=child.pid)
         if on_start is not None:
-            on_start(child)
+            on_start(child, lambda: bool(stops))
         if stops:
             log.info("forwarding %s to the engine (pid %d)", signal.Signals(stops[0]).name,
                      child.pid)  # fmt: skip

@@ -148,3 +148,12 @@ def test_stop_wait_shorter_than_the_drain_grace_is_warned(
     assert "a Ray job stop gives vllm serve 30s to exit (RAY_JOB_STOP_WAIT_TIME_S=30)" in (
         capsys.readouterr().err
     )
+
+
+def test_stop_wait_that_ray_cannot_read_is_warned(
+    fake_ray: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray reads the variable with int(): "30.5" would break the job's stop, so say so."""
+    monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "30.5")
+    cli.main(["--plan-b64", encode_plan(make_plan("pass", drain_grace_seconds=30))])
+    assert "RAY_JOB_STOP_WAIT_TIME_S='30.5' is not an integer" in capsys.readouterr().err
