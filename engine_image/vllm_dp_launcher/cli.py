@@ -277,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.node_ip:
             raise LauncherError("--node-ip only applies to --dry-run; a launch asks Ray")
         return launch(plan, args.ray_address, args.progress_interval)
-    except LauncherError as exc:
+    except (LauncherError, StoppedError) as exc:
         log.error("%s", exc)
         if not args.dry_run:
             stages.enter(stages.EXITED, status=exc.exit_status, cause=exc.cause)

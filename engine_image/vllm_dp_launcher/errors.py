@@ -52,8 +52,12 @@ class GpusHeldError(LauncherError):
     cause = "gpus-held"
 
 
-class StoppedError(LauncherError):
-    """A stop signal arrived before vllm serve started: there is nothing to drain."""
+class StoppedError(BaseException):
+    """A stop signal arrived before vllm serve started: there is nothing to drain.
+
+    A BaseException, like KeyboardInterrupt, so that the ``except Exception`` around Ray
+    calls (connecting, listing holders, the preflight) cannot swallow a stop.
+    """
 
     cause = "stopped"
 

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -157,3 +158,23 @@ def test_stop_wait_that_ray_cannot_read_is_warned(
     monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "30.5")
     cli.main(["--plan-b64", encode_plan(make_plan("pass", drain_grace_seconds=30))])
     assert "RAY_JOB_STOP_WAIT_TIME_S='30.5' is not an integer" in capsys.readouterr().err
+
+
+def test_stop_is_not_swallowed_by_code_that_catches_exceptions(
+    fake_ray: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM during a Ray call wrapped in ``except Exception`` still ends the launch."""
+    fake_ray["nodes"] = [GpuNode(n.node_id, n.ip, 2, free_gpus=0.0) for n in (HEAD, WORKER)]
+
+    def slow_holders() -> HolderReport:
+        try:
+            time.sleep(10)
+        except Exception:
+            return HolderReport(error="swallowed")
+        return HolderReport()
+
+    monkeypatch.setattr(raycluster, "gpu_holders", slow_holders)
+    threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+
+    assert cli.main(["--plan-b64", encode_plan(make_plan("raise SystemExit(99)"))]) == 143
+    assert "stage=exited status=143 cause=stopped" in capsys.readouterr().err
