@@ -1,8 +1,8 @@
 """The operator's rendered head job, read by the launcher: one contract, checked from both ends.
 
 Every example is rendered with the operator's CLI (`vllm-dp render -o json`, in process); the RayJob
-entrypoint must be `python -m vllm_dp_launcher <plan flag> ...` (the contract is `--plan-b64
-<B64>`, from `vllm_dp_launcher.plan.head_job_entrypoint`), the launcher must parse that plan,
+entrypoint must be `python -m vllm_dp_launcher --plan-b64 <B64>` (from
+`vllm_dp_launcher.plan.head_job_entrypoint`), the launcher must parse that plan,
 run through `/bin/sh -c` it must print the operator's argv, and a Ray cluster shaped as the
 plan says (gpuPods nodes of gpusPerPod GPUs) must pass the launcher's own wait and layout
 checks.
@@ -39,7 +39,7 @@ def test_rendered_plan_is_accepted_by_the_launcher(
 ) -> None:
     """Entrypoint shape, plan parsing, dry-run command, and the cluster checks all agree."""
     argv = shlex.split(head_job_entrypoint(example, capsys))
-    assert argv[:3] == ["python", "-m", "vllm_dp_launcher"]
+    assert argv[:4] == ["python", "-m", "vllm_dp_launcher", "--plan-b64"]
     plan = read_plan(build_parser().parse_args(argv[3:]))
 
     nodes = [
