@@ -12,7 +12,9 @@ built layer keeps its tree (`root/`, the lower of the layers built on it) and it
       logs/<name>-<key>.log                     what each build step printed
 
 Builds of the same key wait for each other on a lock file; nothing is ever rebuilt in place
-(a new key gets a new directory). Standard library only.
+(a new key gets a new directory). An image's older archives go once unused for an hour;
+layers stay until `images.py prune` removes those the checkout no longer uses. Standard
+library only.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import oci
 
 # Bump when the way layers are made changes, to invalidate every cached layer.
 RECIPE = "2"
+ARCHIVE_KEEP_SECONDS = 3600
 SKIP_PARTS = {"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", "build", "dist"}
 
 
@@ -142,8 +145,12 @@ def cached(definition: LayerDef) -> BuiltLayer | None:
     if not meta_file.is_file():
         return None
     meta = json.loads(meta_file.read_text())
+    if "blob_digest" not in meta:  # written before the digest was recorded
+        meta["blob_digest"] = oci.file_digest(d / "layer.tar.zst")
+        meta_file.write_text(json.dumps(meta, indent=1) + "\n")
+    os.utime(meta_file)  # last used: `prune` keeps what was used recently
     layer = oci.Layer(d / "layer.tar", str(meta["diff_id"]), int(meta["size"]),
-                      d / "layer.tar.zst")  # fmt: skip
+                      d / "layer.tar.zst", str(meta["blob_digest"]))  # fmt: skip
     return BuiltLayer(definition, d, layer, meta)
 
 
@@ -180,6 +187,7 @@ def ensure_layer(definition: LayerDef, force: bool = False) -> BuiltLayer:
             meta = {
                 "name": definition.name, "key": definition.key, "diff_id": layer.diff_id,
                 "size": layer.size, "blob_size": layer.blob.stat().st_size,
+                "blob_digest": layer.blob_digest,
                 "build_seconds": round(t1 - t0, 1), "pack_seconds": round(t2 - t1, 1),
                 "built_at": int(time.time()),
             }  # fmt: skip
@@ -230,8 +238,40 @@ def ensure_archive(
         if not out.is_file() or force:
             t0 = time.monotonic()
             oci.write_archive(ref, layers, config, out)
+            out.chmod(0o644)
             log(
                 f"{ref}: archive written in {time.monotonic() - t0:.1f} s, "
                 f"{out.stat().st_size / 1e6:.0f} MB"
             )
+    # Older archives of this image, unused for an hour (another checkout may still use a
+    # recent one; rewriting an archive from cached layers takes seconds).
+    for old in out.parent.glob(f"{image}-*.tar"):
+        if old != out and time.time() - old.stat().st_mtime > ARCHIVE_KEEP_SECONDS:
+            old.unlink(missing_ok=True)
+            (old.parent / f".{old.name}.lock").unlink(missing_ok=True)
     return out
+
+
+def write_oci_archive(ref: str, top: LayerDef, config: oci.ImageConfig, out: Path,
+                      omit: frozenset[str] = frozenset()) -> Path:  # fmt: skip
+    """An OCI layout tar of `top`'s image at `out`, less the blobs in `omit` (by digest)."""
+    top_built = ensure_layer(top)
+    layers = [b.layer for b in reversed(_built_chain(top_built))]
+    oci.write_oci_archive(ref, layers, config, out, omit)
+    return out
+
+
+def prune(keep: set[str], older_than_hours: float) -> list[Path]:
+    """Delete cached layers not in `keep` (layer dir names) and unused for that long."""
+    removed = []
+    for d in sorted((cache_root() / "layers").glob("*-*")):
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        meta = d / "meta.json"
+        age = time.time() - (meta.stat().st_mtime if meta.exists() else d.stat().st_mtime)
+        if d.name not in keep and age > older_than_hours * 3600:
+            with locked(d.parent / f".{d.name}.lock"):
+                shutil.rmtree(d)
+            (d.parent / f".{d.name}.lock").unlink(missing_ok=True)
+            removed.append(d)
+    return removed

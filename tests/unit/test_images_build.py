@@ -4,6 +4,7 @@ committed locks themselves."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -185,3 +186,37 @@ def test_ray_lock_satisfies_the_launcher_and_the_engine_dockerfile() -> None:
         assert name in ray, f"{dep}: not in ray.txt; run `images.py lock`"
         assert ray[name] in SpecifierSet(str(req.specifier)), f"{dep} vs {ray[name]}"
     assert ray["ray"] == imagedefs.engine_plan().ray_version
+
+
+def test_oci_archive_carries_only_the_blobs_a_store_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLMDP_CACHE", str(tmp_path / "cache"))
+    base = imagebuild.LayerDef("base", _writer({"etc/os": "debian"}, []))
+    top = imagebuild.LayerDef("app", _writer({"app/main.py": "print()"}, []), base)
+    cfg = oci.ImageConfig(entrypoint=["python3"])
+    full = imagebuild.write_oci_archive("img:dev", top, cfg, tmp_path / "full.tar")
+    built = [imagebuild.cached(d) for d in (base, top)]
+    digests = [b.layer.blob_digest for b in built if b]
+    assert digests == [oci.file_digest(b.layer.blob) for b in built if b and b.layer.blob]
+    with tarfile.open(full) as tar:
+        index = json.load(tar.extractfile("index.json"))  # type: ignore[arg-type]
+        (desc,) = index["manifests"]
+        assert desc["annotations"]["io.containerd.image.name"] == "docker.io/library/img:dev"
+        manifest = json.load(tar.extractfile(f"blobs/sha256/{desc['digest'][7:]}"))  # type: ignore[arg-type]
+        assert [layer["digest"] for layer in manifest["layers"]] == digests
+        assert all(layer["mediaType"].endswith("+zstd") for layer in manifest["layers"])
+        blobs = {n for n in tar.getnames() if n.startswith("blobs/")}
+        assert {f"blobs/sha256/{d[7:]}" for d in digests if d} <= blobs
+    delta = imagebuild.write_oci_archive("img:dev", top, cfg, tmp_path / "delta.tar",
+                                         frozenset({str(digests[0])}))
+    with tarfile.open(delta) as tar:
+        names = set(tar.getnames())
+    assert f"blobs/sha256/{str(digests[0])[7:]}" not in names  # the store has it
+    assert f"blobs/sha256/{str(digests[1])[7:]}" in names
+
+
+def test_containerd_names() -> None:
+    assert oci.containerd_name("vllm-dp-operator:dev") == "docker.io/library/vllm-dp-operator:dev"
+    assert oci.containerd_name("me/x:1") == "docker.io/me/x:1"
+    assert oci.containerd_name("registry.local:5000/x:1") == "registry.local:5000/x:1"

@@ -150,3 +150,33 @@ def test_engine_test_images_take_the_engine_dockerfiles_settings() -> None:
     assert double.user == plan.config.user
     _top, cpu = imagedefs.cpu_image()
     assert {"HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"} <= set(cpu.env)
+
+
+def test_two_wheels_one_depending_on_the_other(tmp_path: Path) -> None:
+    """The operator image installing the launcher's wheel too (its plan schema), as the root
+    Dockerfile may: both are built, and only third-party requirements form the deps layer."""
+    (tmp_path / "operator" / "op").mkdir(parents=True)
+    (tmp_path / "engine_image" / "launcher").mkdir(parents=True)
+    (tmp_path / "README.md").write_text("x")
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "vllm-dp-operator"\nversion = "1"\n'
+        'dependencies = ["kopf>=1.45", "vllm_dp_launcher==0.1.0"]\n'
+    )
+    (tmp_path / "engine_image" / "pyproject.toml").write_text(
+        '[project]\nname = "vllm-dp-launcher"\nversion = "0.1.0"\ndependencies = ["pyzmq>=26"]\n'
+    )
+    (tmp_path / "Dockerfile").write_text(
+        "FROM python:3.11-slim AS builder\nWORKDIR /src\nCOPY pyproject.toml README.md ./\n"
+        "COPY operator/ operator/\nCOPY engine_image/ engine_image/\n"
+        "RUN pip wheel --no-deps --wheel-dir /wheels . ./engine_image\n"
+        "FROM python:3.11-slim\n"
+        "RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels "
+        "pip install /wheels/*.whl\nUSER 1:1\nENTRYPOINT [\"kopf\"]\n"
+    )
+    plan = imagedefs.operator_plan(tmp_path / "Dockerfile")
+    assert plan.wheels.paths == (".", "./engine_image")
+    assert plan.dependencies == ("kopf>=1.45", "pyzmq>=26")
+    assert [target for _cmd, _env, target in plan.runs] == ["/wheels"]
+    assert set(plan.wheels.sources()) == {
+        tmp_path / "pyproject.toml", tmp_path / "README.md", tmp_path / "operator",
+        tmp_path / "engine_image"}  # fmt: skip
