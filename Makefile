@@ -5,13 +5,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 TESTBED := $(BIN)/python tests/testbed/testbed.py
+IMAGES := $(BIN)/python tests/testbed/images.py
 ENGINE_IMAGE ?= vllm-dp-engine:0.1.0
 OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
 EXAMPLE ?= examples/dp8-rpn4-tp1.yaml
 
 .PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-ray \
         test-vllm-contract testbed-build testbed-up testbed-down dev dev-down bench-controlplane \
-        image engine-image e2e-kind
+        image engine-image e2e-kind images images-smoke
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
@@ -74,6 +75,15 @@ dev-down: ## Stop what `make dev` started
 
 bench-controlplane: ## P1-P4 of docs/benchmarks.md on the test bed; last line is one JSON object
 	$(BIN)/python bench/controlplane.py $(BENCH_ARGS)
+
+images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths
+	$(IMAGES) build all
+
+image-%: $(BIN)/python
+	$(IMAGES) build $*
+
+images-smoke: $(BIN)/python ## Unpack each test-bed image and run its checks in a chroot (starts vLLM: heavy lock)
+	flock /tmp/vllmdp-heavy.lock $(IMAGES) smoke all
 
 image: ## Operator image (needs Docker)
 	docker build -t $(OPERATOR_IMAGE) .

@@ -100,6 +100,7 @@ def shipped_settings(**over: str) -> dict[str, str]:
         "VLLMDP_BACKOFF_BASE_SECONDS": str(d.backoff_base_seconds),
         "VLLMDP_BACKOFF_CAP_SECONDS": str(d.backoff_cap_seconds),
         "VLLMDP_WORKERS": str(d.workers),
+        "VLLMDP_STOP_CONFIRM_SECONDS": str(d.stop_confirm_seconds),
     }
     return {**env, **over}
 

@@ -44,9 +44,20 @@ from vllm_dp_operator.cache import (
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.events import EventPoster
 from vllm_dp_operator.informer import Reflector, WatchApi
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
+from vllm_dp_operator.kube import (
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    VDP,
+    Kind,
+    Kube,
+    NamespaceTerminating,
+)
+from vllm_dp_operator.outcome import Event, Outcome, Resource
 from vllm_dp_operator.probe import HealthProbe
-from vllm_dp_operator.reconcile import Event, Outcome, Resource, reconcile
+from vllm_dp_operator.ray_dashboard import RayJobs
+from vllm_dp_operator.reconcile import reconcile
 from vllm_dp_operator.status_writer import StatusWriter
 from vllm_dp_operator.workqueue import ShutDown, WorkQueue
 
@@ -108,11 +119,11 @@ class Controller:
     """Owns the cache, the reflectors, the work queue and the workers."""
 
     def __init__(
-        self, api: ControllerApi, cfg: Config, probe: HealthProbe, namespace: str | None = None,
-        post_event: Callable[[Obj, Event], None] | None = None,
+        self, api: ControllerApi, cfg: Config, probe: HealthProbe, ray_jobs: RayJobs,
+        namespace: str | None = None, post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:  # fmt: skip
-        self.api, self.cfg, self.probe = api, cfg, probe
+        self.api, self.cfg, self.probe, self.ray_jobs = api, cfg, probe, ray_jobs
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
         self.post_event = post_event or self._post
         self.clock = clock
@@ -261,14 +272,13 @@ class Controller:
                 await self.process(key)
             except asyncio.CancelledError:
                 raise
+            except NamespaceTerminating:
+                # Its namespace is being deleted, and the resource with it: nothing to do.
+                log.info("Namespace %s is terminating; not reconciling %s", *key)
+                self.queue.drop(key)
+                self._settled(key)
             except ApiException as exc:
                 self.failures += 1
-                if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
-                    # Its namespace is being deleted, and the resource with it.
-                    log.info("Namespace %s is terminating; not reconciling %s", *key)
-                    self.queue.drop(key)
-                    self._settled(key)
-                    continue
                 self.wakes["retry"] += 1
                 delay = self.queue.add_rate_limited(key)
                 log.warning("Reconcile of %s/%s failed: HTTP %s %s; retrying in %.1fs", *key,
@@ -296,8 +306,8 @@ class Controller:
         current = self.status.effective(key, owner.get("status") or {})
         owner["status"] = current
         kube = CountingKube(self.kube)
-        outcome = await reconcile(Resource.from_body(owner), kube, self.probe, self.cfg,
-                                  self.clock())  # fmt: skip
+        outcome = await reconcile(Resource.from_body(owner), kube, self.probe, self.ray_jobs,
+                                  self.cfg, self.clock())  # fmt: skip
         self.reconciles += 1
         self._settled(key)
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}

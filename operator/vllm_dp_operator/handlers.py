@@ -18,7 +18,9 @@ from vllm_dp_operator import constants
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller import Controller
 from vllm_dp_operator.kube import ApiKube
-from vllm_dp_operator.probe import make_probe
+from vllm_dp_operator.probe import TransportProbe
+from vllm_dp_operator.ray_dashboard import DashboardJobs
+from vllm_dp_operator.transport import make_transport
 
 CONFIG = Config.from_env()
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
@@ -51,16 +53,18 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     )
     logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
     kube = await ApiKube.connect()
-    probe = make_probe(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
-    controller = Controller(kube, CONFIG, probe, namespace=CONFIG.watch_namespace or None)
+    transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
+    controller = Controller(kube, CONFIG, TransportProbe(transport), DashboardJobs(transport),
+                            namespace=CONFIG.watch_namespace or None)  # fmt: skip
     controller.start()
-    memo.kube, memo.controller = kube, controller
+    memo.kube, memo.transport, memo.controller = kube, transport, controller
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Stop the controller, then close the API client."""
+    """Stop the controller, then close the HTTP sessions and the API client."""
     await memo.controller.stop()
+    await memo.transport.close()
     await memo.kube.close()
 
 

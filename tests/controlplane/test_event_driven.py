@@ -3,6 +3,12 @@
 The operator here has its safety resync and its /health cadence set to an hour, and relaunches
 with no backoff, so whatever it does within the test's deadlines was caused by a watch event.
 Both ends of each interval are taken on this test's own watch of the same API server.
+
+The test bed's KubeRay cannot reach a Ray dashboard (HTTPMode submissions never arrive), so it
+never fails a head job by itself: the test writes the Failed status KubeRay writes when a Ray
+job fails. With no dashboard there is nothing to confirm a stop with either, so the operator
+runs without pod HTTP access and with no stop-confirmation wait: it gives up on the old job's
+stop at once, and what is timed is its reaction to the event.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import pytest
 import yaml
 from kubernetes_asyncio import client, config
 from operator_proc import OperatorProcess, install_crd
+from vllm_dp_operator.jobstate import JobState, job_state
 from vllm_dp_operator.kube import RAYCLUSTER, RAYJOB, VDP, ApiKube
 from vllm_dp_operator.plan import build_plan
-from vllm_dp_operator.status import JobState, cluster_readiness, job_state
+from vllm_dp_operator.status import cluster_readiness
 from vllm_dp_operator.validation import validate
 from watchlog import Seen, WatchLog
 
@@ -26,7 +33,8 @@ pytestmark = pytest.mark.controlplane
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"VLLMDP_RESYNC_SECONDS": "3600", "VLLMDP_PROBE_LAUNCHING_SECONDS": "3600",
-         "VLLMDP_PROBE_SERVING_SECONDS": "3600", "VLLMDP_BACKOFF_BASE_SECONDS": "0"}
+         "VLLMDP_PROBE_SERVING_SECONDS": "3600", "VLLMDP_BACKOFF_BASE_SECONDS": "0",
+         "VLLMDP_HEALTH_PROBE": "off", "VLLMDP_STOP_CONFIRM_SECONDS": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +64,12 @@ async def _scenario(kubeconfig: Path, ns: str, doc: dict[str, Any]) -> dict[str,
             job = await log.wait_for("the head job", lambda s: s.kind == RAYJOB and
                                      s.type == "ADDED", timeout=10)  # fmt: skip
             first = job.name
+            await api.patch_status(RAYJOB, ns, first, {  # as KubeRay does when Ray's job fails
+                "jobStatus": "FAILED", "jobDeploymentStatus": "Failed",
+                "message": "the test failed it"})  # fmt: skip
             failed = await log.wait_for(
-                f"KubeRay to mark {first} failed", lambda s: s.kind == RAYJOB and
-                s.name == first and job_state(s.obj) is JobState.FAILED, timeout=180)  # fmt: skip
+                f"{first} failed", lambda s: s.kind == RAYJOB and s.name == first
+                and job_state(s.obj) is JobState.FAILED, timeout=30)  # fmt: skip
             relaunch = await log.wait_for(
                 "the relaunched head job", lambda s: s.kind == RAYJOB and s.type == "ADDED"
                 and s.name != first, timeout=10)  # fmt: skip

@@ -817,6 +817,9 @@ class Testbed:
                 # No node-lifecycle controller runs, so nothing would lift the not-ready taint that
                 # this admission plugin puts on new nodes.
                 "--disable-admission-plugins=TaintNodesByCondition",
+                # On in OpenShift: blockOwnerDeletion needs update on the owner's finalizers.
+                # The least-privilege scenario proves the chart grants it.
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
                 # Debian's etcd 3.4.23 lacks RequestWatchProgress. With WatchList on, the apiserver
                 # turns every watch from resourceVersion 0 into a watch-list request and refuses it
                 # ("required storage feature RequestWatchProgress is disabled"); kwok always watches

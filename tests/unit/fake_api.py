@@ -12,6 +12,7 @@ import asyncio
 import copy
 from collections import Counter
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 from fake_kube import FakeKube, _matches
@@ -23,7 +24,7 @@ class FakeApi(FakeKube):
     """FakeKube with resourceVersions, paginated lists, watches and status patches."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(clock=lambda: datetime.now(UTC))  # the controller runs on real time
         self.rv = 0
         self.oldest = 0
         self.log: list[tuple[int, Kind, str, dict[str, Any]]] = []

@@ -21,8 +21,9 @@ from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller import Controller, next_wake
 from vllm_dp_operator.events import EVENT, EventPoster
 from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
+from vllm_dp_operator.outcome import Event, Outcome
 from vllm_dp_operator.probe import ProbeResult
-from vllm_dp_operator.reconcile import Event, Outcome
+from world import FakeRayJobs
 
 HOUR = 3600.0
 CFG = Config(resync_seconds=HOUR, probe_launching_seconds=HOUR, probe_serving_seconds=HOUR,
@@ -50,7 +51,8 @@ class Bed:
         self.api = api or FakeApi()
         self.probe = FakeProbe()
         self.events: list[Event] = []
-        self.ctl = Controller(self.api, cfg, self.probe,
+        self.ray = FakeRayJobs()
+        self.ctl = Controller(self.api, cfg, self.probe, self.ray,
                               post_event=lambda _t, e: self.events.append(e))
 
     def add_owner(self, spec: dict[str, Any] = SPEC) -> None:
@@ -73,9 +75,15 @@ class Bed:
         return [o["metadata"]["name"] for o in self.api.named(kind)]
 
     def cluster_ready(self) -> None:
+        """Play KubeRay: a head pod (with the template's labels) and a ready cluster."""
         (cluster,) = self.api.named(RAYCLUSTER)
+        name = cluster["metadata"]["name"]
+        labels = {c.LABEL_RAY_CLUSTER: name, c.LABEL_RAY_NODE_TYPE: "head",
+                  c.LABEL_INSTANCE: "demo", c.LABEL_MANAGED_BY: c.MANAGER}  # fmt: skip
+        self.api.put(POD, {"metadata": {"name": f"{name}-head", "labels": labels},
+                           "status": {"phase": "Running"}})  # fmt: skip
         workers = cluster["spec"]["workerGroupSpecs"][0]["replicas"]
-        self.api.set_status(RAYCLUSTER, "default", cluster["metadata"]["name"], {
+        self.api.set_status(RAYCLUSTER, "default", name, {
             "state": "ready", "readyWorkerReplicas": workers,
             "conditions": [{"type": "HeadPodReady", "status": "True"},
                            {"type": "RayClusterProvisioned", "status": "True"}]})  # fmt: skip
@@ -118,15 +126,15 @@ async def test_child_events_reconcile_within_a_second_with_no_timer(bed: Bed) ->
 
     bed.cluster_ready()  # KubeRay: the RayCluster becomes ready
     took = await bed.until("a head job after the RayCluster became ready",
-                           lambda: bed.names(RAYJOB) == ["demo-launch-1"])  # fmt: skip
+                           lambda: bed.names(RAYJOB) == ["demo-j00001"])  # fmt: skip
     assert took < 1.0
     await bed.settle()
     assert bed.status()["phase"] == c.PHASE_LAUNCHING
 
-    bed.api.set_status(RAYJOB, "default", "demo-launch-1",
+    bed.api.set_status(RAYJOB, "default", "demo-j00001",
                        {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed"})  # KubeRay
     took = await bed.until("a relaunch after the head job failed (backoff 0)",
-                           lambda: "demo-launch-2" in bed.names(RAYJOB))  # fmt: skip
+                           lambda: "demo-j00002" in bed.names(RAYJOB))  # fmt: skip
     assert took < 1.0
     await bed.until("the failure counted", lambda: bed.status().get("consecutiveFailures") == 1)
     assert [e.reason for e in bed.events].count(c.REASON_JOB_FAILED) == 1
@@ -219,9 +227,9 @@ async def test_api_calls_per_reconcile_are_pinned_and_never_list() -> None:
         assert await one() == {}
         bed.cluster_ready()
         assert await one() == {"create": 1, "patch_status": 1}  # the head job
-        bed.api.set_status(RAYJOB, "default", "demo-launch-1", {"jobStatus": "RUNNING"})
+        bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "RUNNING"})
         bed.probe.ok = True
-        assert await one() == {"patch_status": 1}  # Serving
+        assert await one() == {"patch": 1, "patch_status": 1}  # the head pod's label; Serving
         probes = bed.probe.calls
         for _ in range(5):
             assert await one() == {}, "steady state: no API call at all"
@@ -321,23 +329,16 @@ async def test_a_failed_reconcile_is_retried_with_backoff() -> None:
         await bed.ctl.stop()
 
 
-class TerminatingApi(FakeApi):
-    """A namespace being deleted: every create is forbidden."""
-
-    async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        exc = ApiException(status=403, reason="Forbidden")
-        exc.body = '{"details": {"causes": [{"reason": "NamespaceTerminating"}]}}'
-        raise exc
-
-
 async def test_a_terminating_namespace_is_not_retried() -> None:
-    bed = Bed(api=TerminatingApi())
+    bed = Bed()
+    bed.api.terminating.add("default")  # every create there answers NamespaceTerminating
     bed.ctl.start()
     try:
         bed.add_owner()
-        await bed.until("the failed reconcile", lambda: bed.ctl.failures == 1)
+        await bed.until("a refused create", lambda: bed.api.calls["create"] >= 1)
         await asyncio.sleep(1.0)  # a retry would come after 0.5 s
-        assert bed.ctl.failures == 1 and bed.ctl.queue.due_in(KEY) is None
+        assert bed.api.calls["create"] == 1 and bed.ctl.failures == 0
+        assert bed.ctl.queue.due_in(KEY) is None and "retry" not in bed.ctl.wakes
     finally:
         await bed.ctl.stop()
 
@@ -369,7 +370,7 @@ async def test_a_status_patch_in_flight_is_what_the_next_reconcile_reads() -> No
         await bed.settle()
         await bed.ctl.status.idle()
         api.gate.clear()  # the API server is slow to answer status patches from now on
-        bed.api.set_status(RAYJOB, "default", "demo-launch-1", {"jobStatus": "FAILED"})
+        bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "FAILED"})
         await bed.until("the failure counted", lambda: bed.ctl.reconciles and any(
             e.reason == c.REASON_JOB_FAILED for e in bed.events))  # fmt: skip
         before = bed.ctl.reconciles
@@ -392,7 +393,7 @@ async def test_backoff_end_is_scheduled_not_polled() -> None:
         await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
         bed.cluster_ready()
         await bed.until("the head job", lambda: bed.names(RAYJOB))
-        bed.api.set_status(RAYJOB, "default", "demo-launch-1", {"jobStatus": "FAILED"})
+        bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "FAILED"})
         await bed.until("Backoff", lambda: bed.status().get("phase") == c.PHASE_BACKOFF)
         await bed.settle()
         due = bed.ctl.queue.due_in(KEY)
@@ -401,7 +402,7 @@ async def test_backoff_end_is_scheduled_not_polled() -> None:
         await asyncio.sleep(max(0.0, due - 0.1))
         assert bed.ctl.reconciles == reconciles, "nothing runs while the backoff lasts"
         await bed.until("the relaunch at the backoff's end",
-                        lambda: "demo-launch-2" in bed.names(RAYJOB), timeout=0.5)  # fmt: skip
+                        lambda: "demo-j00002" in bed.names(RAYJOB), timeout=0.5)  # fmt: skip
     finally:
         await bed.ctl.stop()
 

@@ -1,0 +1,72 @@
+"""The kopf handlers: owner events go to the controller, kopf writes nothing; a namespace being
+deleted is told apart from a real 403 (the controller then drops the resource quietly,
+tests/unit/test_controller.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import kopf
+from kubernetes_asyncio.client.exceptions import ApiException
+from vllm_dp_operator import handlers
+from vllm_dp_operator.kube import _namespace_terminating
+
+
+class _Answer:
+    """The parts of an HTTP response ApiException reads."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        self.status, self.reason, self.data = status, "Forbidden", json.dumps(body).encode()
+
+    def getheaders(self) -> dict[str, str]:
+        return {}
+
+
+def _forbidden(causes: list[dict[str, str]]) -> ApiException:
+    body = {"kind": "Status", "apiVersion": "v1", "code": 403, "reason": "Forbidden",
+            "message": "forbidden", "details": {"causes": causes}}  # fmt: skip
+    exc = ApiException(http_resp=_Answer(403, body))
+    exc.body = exc.body.decode()
+    return exc
+
+
+def test_terminating_namespace_is_told_apart_from_rbac() -> None:
+    terminating = _forbidden([{"reason": "NamespaceTerminating", "message": "is being terminated",
+                               "field": "metadata.namespace"}])  # fmt: skip
+    assert _namespace_terminating(terminating)
+    assert not _namespace_terminating(_forbidden([]))  # RBAC: a real failure, raised
+
+
+class _Controller:
+    """Test double for the controller: records the owner events handed to it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, str]] = []
+
+    def owner_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        self.seen.append((event_type, body["metadata"]["name"]))
+
+
+async def test_owner_events_go_to_the_controller_and_kopf_writes_nothing() -> None:
+    memo = kopf.Memo()
+    memo.controller = _Controller()
+    event: Any = {"type": None, "object": {"metadata": {"name": "demo", "namespace": "ns"}}}
+    # None: kopf patches nothing into status for an on.event handler that returns None.
+    assert await handlers.on_owner_event(event=event, memo=memo) is None
+    assert memo.controller.seen == [(None, "demo")]
+    # No changing handlers: the diff base is empty, not a deep copy of every body.
+    body = kopf.Body({"metadata": {"name": "demo"}, "spec": {"model": "m"}})
+    assert handlers._NoDiffBase(prefix="vllmdp.io").build(body=body) == {}
+
+
+def test_the_per_event_success_line_is_dropped_and_nothing_else() -> None:
+    chatter = handlers._NoEventHandlerChatter()
+
+    def record(level: int, message: str) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", level, __file__, 1, message, None, None)
+
+    assert not chatter.filter(record(logging.INFO, "Handler 'on_owner_event' succeeded."))
+    assert chatter.filter(record(logging.ERROR, "Handler 'on_owner_event' failed."))
+    assert chatter.filter(record(logging.INFO, "Removing the finalizer"))
