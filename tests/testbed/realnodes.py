@@ -80,12 +80,14 @@ def cgroup_v2() -> bool:
     return (CGROUP_FS / "cgroup.controllers").exists()
 
 
-def cgroup_dirs(root: str) -> list[Path]:
-    """The node's cgroup root in every hierarchy kubelet uses (v1), or the one group (v2)."""
+def cgroup_dirs(root: str, unified: bool = True) -> list[Path]:
+    """The node's cgroup root in every hierarchy (v1), or the one group (v2). On a hybrid v1
+    host runc also makes the pod groups in the `unified` (v2) hierarchy; `unified=False`
+    leaves that one out (kubelet needs the root only in the v1 hierarchies)."""
     if cgroup_v2():
         return [CGROUP_FS / root]
-    return sorted(h / root for h in CGROUP_FS.iterdir()
-                  if h.is_dir() and not h.is_symlink() and h.name != "unified")  # fmt: skip
+    hierarchies = [h for h in CGROUP_FS.iterdir() if h.is_dir() and not h.is_symlink()]
+    return sorted(h / root for h in hierarchies if unified or h.name != "unified")
 
 
 def create_cgroups(node: Node) -> None:
@@ -103,7 +105,7 @@ def create_cgroups(node: Node) -> None:
                 raise RuntimeError(
                     f"cgroup v2: cannot enable {missing} for child groups of {CGROUP_FS} ({e}); "
                     "in a container, move its processes out of the root group first") from e
-    for d in cgroup_dirs(node.cgroup_root):
+    for d in cgroup_dirs(node.cgroup_root, unified=False):
         d.mkdir(exist_ok=True)
 
 
