@@ -2,14 +2,17 @@
 # vllm-dp-operator image: the kopf operator, nothing else. Build: make image
 #   docker build -t vllm-dp-operator:dev .
 
-# --- builder: turn the project into a wheel (no dependencies; they install at runtime) ---
+# --- builder: the operator and the launcher as wheels (dependencies install at runtime) ---
+# The operator imports the launcher's plan module (the one definition of the head job's plan).
 FROM python:3.11-slim AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator/ operator/
-RUN pip wheel --no-deps --wheel-dir /wheels .
+COPY engine_image/pyproject.toml engine_image/README.md engine_image/
+COPY engine_image/vllm_dp_launcher/ engine_image/vllm_dp_launcher/
+RUN pip wheel --no-deps --wheel-dir /wheels . ./engine_image
 
 # --- runtime: the wheel and its dependencies, run as a non-root user ---
 FROM python:3.11-slim AS runtime
@@ -21,8 +24,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# The launcher goes in without its own dependencies: the operator uses only its pure plan
+# module, never Ray. Then the operator with every dependency it declares but the launcher.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir /wheels/*.whl \
+    pip install --no-cache-dir --no-deps /wheels/vllm_dp_launcher-*.whl /wheels/vllm_dp_operator-*.whl \
+    && python -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('vllm-dp-operator') if 'extra ==' not in r and not r.startswith('vllm-dp-launcher')))" > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt && rm /tmp/requirements.txt \
+    && python -c "import vllm_dp_operator.plan, vllm_dp_launcher.plan" \
     && groupadd --gid 10001 vllmdp \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin vllmdp

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -66,24 +67,33 @@ class Testbed:
 async def _watch_children(api: client.ApiClient, ns: str, seen: dict[str, dict[str, float]],
                           expected: int, done: asyncio.Event) -> None:  # fmt: skip
     async def follow(kind: str, lister: Any, **kw: Any) -> None:
-        w = watch.Watch()
-        async for ev in w.stream(lister, **kw, timeout_seconds=600):
-            obj = ev["object"]
-            meta = obj["metadata"] if isinstance(obj, dict) else obj.metadata.to_dict()
-            labels = meta.get("labels") or {}
-            inst = labels.get("app.kubernetes.io/instance")
-            if ev["type"] == "ADDED" and inst:
-                seen.setdefault(inst, {}).setdefault(kind, time.perf_counter())
-                if sum(len(v) == 2 for v in seen.values()) >= expected:
-                    done.set()
-                    return
+        # The context manager releases the watch's HTTP response however the loop ends (the
+        # other watch is cancelled when this one finishes), so no connection is left open.
+        async with watch.Watch() as w:
+            async for ev in w.stream(lister, **kw, timeout_seconds=600):
+                obj = ev["object"]
+                meta = obj["metadata"] if isinstance(obj, dict) else obj.metadata.to_dict()
+                labels = meta.get("labels") or {}
+                inst = labels.get("app.kubernetes.io/instance")
+                if ev["type"] == "ADDED" and inst:
+                    seen.setdefault(inst, {}).setdefault(kind, time.perf_counter())
+                    if sum(len(v) == 2 for v in seen.values()) >= expected:
+                        done.set()
+                        return
 
     custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
-    await asyncio.gather(
-        follow("raycluster", custom.list_namespaced_custom_object, group="ray.io",
-               version="v1", namespace=ns, plural="rayclusters"),
-        follow("service", core.list_namespaced_service, namespace=ns),
-    )  # fmt: skip
+    tasks = [
+        asyncio.create_task(follow("raycluster", custom.list_namespaced_custom_object,
+                                   group="ray.io", version="v1", namespace=ns,
+                                   plural="rayclusters")),
+        asyncio.create_task(follow("service", core.list_namespaced_service, namespace=ns)),
+    ]  # fmt: skip
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def run_operator_round(api: client.ApiClient, ns: str, n: int) -> list[float]:
@@ -106,9 +116,14 @@ async def run_operator_round(api: client.ApiClient, ns: str, n: int) -> list[flo
                                                          "vllmdataparallels", body)  # fmt: skip
         created[name] = time.perf_counter()
 
-    await asyncio.gather(*(create(i) for i in range(n)))
-    await asyncio.wait_for(done.wait(), timeout=600)
-    watcher.cancel()
+    try:
+        await asyncio.gather(*(create(i) for i in range(n)))
+        await asyncio.wait_for(done.wait(), timeout=600)
+    finally:
+        # Wait for the cancelled watches to close their responses before the client goes.
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
     return [max(seen[k].values()) - start for k in created]
 
 

@@ -1,17 +1,19 @@
-"""Command line: ``python -m vllm_dp_launcher --plan JSON`` (or ``--plan-file PATH``)."""
+"""Command line: ``python -m vllm_dp_launcher --plan-b64 B64`` (or ``--plan``/``--plan-file``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_dp_launcher import raycluster
+from vllm_dp_launcher import health, raycluster, stages
 from vllm_dp_launcher.cluster import layout_problems, wait_for_cluster
 from vllm_dp_launcher.command import (
     ADDRESS_PLACEHOLDER,
@@ -20,13 +22,22 @@ from vllm_dp_launcher.command import (
     engine_env,
     engine_env_overrides,
 )
-from vllm_dp_launcher.errors import ClusterNotReadyError, LauncherError, PlanError
-from vllm_dp_launcher.plan import LaunchPlan, load_plan
+from vllm_dp_launcher.errors import (
+    ClusterNotReadyError,
+    LauncherError,
+    PlanError,
+    StoppedError,
+)
+from vllm_dp_launcher.plan import PLAN_B64_FLAG, LaunchPlan, decode_plan, load_plan
 from vllm_dp_launcher.preflight import run_preflight
-from vllm_dp_launcher.supervise import run_engine
+from vllm_dp_launcher.supervise import FORWARDED_SIGNALS, final_status, run_engine
 
 log = logging.getLogger("vllm_dp_launcher")
 LOG_FORMAT = "%(asctime)s vllm-dp-launcher %(levelname)s %(message)s"
+STAGE_FORMAT = "%(asctime)s vllm-dp-launcher %(message)s"
+# Ray's job supervisor SIGKILLs every process of a stopping job this long after its SIGTERM.
+STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+RAY_DEFAULT_STOP_WAIT_S = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        PLAN_B64_FLAG,
+        help="the launch plan as base64 (RFC 4648 standard alphabet, no line breaks) of its "
+        "UTF-8 JSON: what the operator renders, since no shell alters it",
+    )
     source.add_argument("--plan", help="the launch plan as JSON text")
     source.add_argument("--plan-file", type=Path, help="a file holding the launch plan JSON")
     parser.add_argument(
@@ -50,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the plan, command and environment as JSON and exit without running vLLM",
+        help="print the plan, the exact vllm serve command and the environment it adds, as "
+        "JSON (UTF-8), and exit without running vLLM",
     )
     parser.add_argument(
         "--node-ip",
@@ -66,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_plan(args: argparse.Namespace) -> LaunchPlan:
-    """Load the plan from --plan or --plan-file."""
+    """Load the plan from --plan-b64, --plan or --plan-file."""
+    if args.plan_b64 is not None:
+        return decode_plan(args.plan_b64)
     if args.plan_file is not None:
         try:
             return load_plan(Path(args.plan_file).read_text())
@@ -103,19 +122,65 @@ def dry_run_report(
     }
 
 
+def check_stop_wait(plan: LaunchPlan, env: Mapping[str, str]) -> None:
+    """Say how long a stop may drain, and warn when Ray would cut it shorter than planned."""
+    raw = env.get(STOP_WAIT_ENV)
+    try:
+        # Ray's job supervisor reads it with int(): anything else breaks the job's stop.
+        ray_wait = int(raw) if raw else RAY_DEFAULT_STOP_WAIT_S
+    except ValueError:
+        log.warning(
+            "%s=%r is not an integer: Ray's job supervisor fails on it when it stops this job",
+            STOP_WAIT_ENV, raw,
+        )  # fmt: skip
+        return
+    source = f"{STOP_WAIT_ENV}={raw}" if raw else f"Ray's default, {STOP_WAIT_ENV} unset"
+    if plan.drain_grace_seconds is not None and ray_wait < plan.drain_grace_seconds:
+        log.warning(
+            "a Ray job stop SIGKILLs vllm serve %ds after its SIGTERM (%s), before the planned "
+            "drain grace of %gs; the Ray pods need %s=%d",
+            ray_wait, source, plan.drain_grace_seconds, STOP_WAIT_ENV,
+            math.ceil(plan.drain_grace_seconds),
+        )  # fmt: skip
+    else:
+        log.info("a Ray job stop gives vllm serve %ds to exit (%s)", ray_wait, source)
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    """Until vllm serve runs, a stop signal ends the launch: there is nothing to drain."""
+    raise StoppedError(signum)
+
+
 def launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float) -> int:
-    """Gate on the cluster and the network, then run the engine; return its exit status."""
+    """Gate on the cluster and the network, then run the engine; return the launcher's status."""
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in FORWARDED_SIGNALS}
+    try:
+        return _launch(plan, ray_address, progress_interval)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float) -> int:
+    stages.enter(stages.CONNECTING)
     raycluster.connect(ray_address)
+    # ray.init installs its own SIGTERM handler (sys.exit); a stop must still end the launch.
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, _raise_stopped)
     try:
         own_ip = raycluster.own_node_ip()
-        log.info("launcher runs on Ray node %s", own_ip)
+        submission = raycluster.own_submission_id()
+        log.info("launcher runs on Ray node %s%s", own_ip,
+                 f" in Ray job submission {submission}" if submission else "")  # fmt: skip
         nodes = wait_for_cluster(
             plan,
             raycluster.list_gpu_nodes,
             own_ip,
             timeout=plan.wait_timeout_seconds,
             progress_interval=progress_interval,
+            find_holders=raycluster.gpu_holders,
         )
+        stages.enter(stages.PREFLIGHT, nodes=len(nodes))
         problems = layout_problems(plan, nodes, own_ip)
         if problems:
             raise ClusterNotReadyError(
@@ -136,24 +201,66 @@ def launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float) 
         )
     if ray_address:
         env[raycluster.RAY_ADDRESS_ENV] = ray_address
-    return run_engine(command, env)
+    check_stop_wait(plan, os.environ)
+    url = health.health_url(plan)
+    run = run_engine(
+        command,
+        env,
+        drain_grace=plan.drain_grace_seconds,
+        on_start=lambda child, stopping: health.watch(
+            url, alive=lambda: child.poll() is None and not stopping()
+        ),
+    )
+    status, cause = final_status(run)
+    if run.stop_signal is None:
+        log.error(
+            "vllm serve exited with status %d although no stop signal was forwarded to it: it "
+            "ended on its own (an engine died?), so this launch failed%s",
+            run.status,
+            f"; exiting with {status}" if status != run.status else "",
+        )
+    stages.enter(stages.EXITED, status=status, cause=cause, engine_status=run.status)
+    return status
 
 
-def setup_logging() -> None:
-    """Send the launcher's messages to stderr, whatever else configured logging."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    for old in list(log.handlers):
-        log.removeHandler(old)
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+def setup_logging() -> Callable[[], None]:
+    """Send the launcher's messages to stderr, whatever else configured logging.
+
+    Returns a function that puts the loggers back as they were (for callers in-process).
+    """
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in (log, stages.log)]
+    for logger, fmt in ((log, LOG_FORMAT), (stages.log, STAGE_FORMAT)):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(fmt))
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+    def restore() -> None:
+        for logger, handlers, level, propagate in saved:
+            for current in list(logger.handlers):
+                logger.removeHandler(current)
+            for handler in handlers:
+                logger.addHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+    return restore
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the launcher; return the engine's exit status or the launcher's error status."""
     args = build_parser().parse_args(argv)
-    setup_logging()
+    restore_logging = setup_logging()
+    try:
+        return _run(args)
+    finally:
+        restore_logging()
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         plan = read_plan(args)
         if args.dry_run:
@@ -161,12 +268,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.node_ip, lambda: raycluster.try_own_node_ip(args.ray_address), os.environ
             )
             report = dry_run_report(plan, address, source, os.environ)
-            json.dump(report, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            # UTF-8 whatever the locale: non-ASCII in the plan prints as itself.
+            text = json.dumps(report, indent=2, ensure_ascii=False) + "\n"
+            sys.stdout.flush()
+            sys.stdout.buffer.write(text.encode("utf-8"))
+            sys.stdout.buffer.flush()
             return 0
         if args.node_ip:
             raise LauncherError("--node-ip only applies to --dry-run; a launch asks Ray")
         return launch(plan, args.ray_address, args.progress_interval)
-    except LauncherError as exc:
+    except (LauncherError, StoppedError) as exc:
         log.error("%s", exc)
+        if not args.dry_run:
+            stages.enter(stages.EXITED, status=exc.exit_status, cause=exc.cause)
         return exc.exit_status

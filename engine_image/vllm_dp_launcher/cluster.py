@@ -1,9 +1,10 @@
 """Waiting for the Ray cluster to reach the planned shape, and checking that shape fits.
 
-vLLM takes one snapshot of the cluster's nodes when it places its data-parallel ranks: a
-worker that joins a moment later is ignored and the placement fails or waits forever. So
-the launch is gated here on the full set of GPU nodes. Everything in this module is pure
-except for the ``list_nodes``/``sleep``/``clock`` callables handed to ``wait_for_cluster``.
+vLLM takes one snapshot of the cluster's nodes, and of their *available* resources, when it
+places its data-parallel ranks: a worker that joins a moment later is ignored, and GPUs still
+held by an old ``vllm serve`` make the placement wait forever. So the launch is gated here on
+the full set of GPU nodes and on every one of their GPUs being free. Everything in this
+module is pure except for the callables handed to ``wait_for_cluster``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dp_launcher.errors import ClusterNotReadyError
+from vllm_dp_launcher import stages
+from vllm_dp_launcher.errors import ClusterNotReadyError, GpusHeldError
+from vllm_dp_launcher.holders import HolderReport
 from vllm_dp_launcher.plan import LaunchPlan
 
 log = logging.getLogger(__name__)
@@ -27,20 +30,35 @@ class GpuNode:
     node_id: str
     ip: str
     gpus: int
+    free_gpus: float | None = None  # available right now; None: not known (taken as all)
+
+    @property
+    def busy_gpus(self) -> float:
+        """GPUs of this node that something holds (placement groups, actors, tasks)."""
+        return 0.0 if self.free_gpus is None else max(0.0, self.gpus - self.free_gpus)
 
     def describe(self, own_ip: str | None = None) -> str:
-        """Return e.g. ``127.0.0.3 (node 1a2b3c4d, 4 GPUs)``."""
+        """Return e.g. ``127.0.0.3 (node 1a2b3c4d, 4 GPUs)`` (plus how many are in use)."""
         mine = ", this node" if self.ip == own_ip else ""
-        return f"{self.ip} (node {self.node_id[:8]}, {self.gpus} GPUs{mine})"
+        busy = f", {self.busy_gpus:g} in use" if self.busy_gpus > 0 else ""
+        return f"{self.ip} (node {self.node_id[:8]}, {self.gpus} GPUs{busy}{mine})"
 
 
-def gpu_nodes(ray_nodes: Iterable[Mapping[str, Any]]) -> list[GpuNode]:
-    """Select the alive GPU nodes from ``ray.nodes()`` output, sorted by IP."""
+def gpu_nodes(
+    ray_nodes: Iterable[Mapping[str, Any]],
+    available: Mapping[str, Mapping[str, float]] | None = None,
+) -> list[GpuNode]:
+    """Select the alive GPU nodes from ``ray.nodes()``, with ``available`` GPUs per node id."""
     found = [
         GpuNode(
             node_id=str(n["NodeID"]),
             ip=str(n["NodeManagerAddress"]),
             gpus=int(n.get("Resources", {}).get("GPU", 0)),
+            free_gpus=(
+                None
+                if available is None
+                else float(available.get(str(n["NodeID"]), {}).get("GPU", 0.0))
+            ),
         )
         for n in ray_nodes
         if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0
@@ -56,16 +74,19 @@ class ClusterProgress:
     expected_nodes: int
     gpus: int
     expected_gpus: int
+    busy: float = 0.0
 
     @property
     def ready(self) -> bool:
-        """True when the planned GPU nodes and GPUs are all present."""
+        """True when the planned GPU nodes and GPUs are all present (free or not)."""
         return self.nodes >= self.expected_nodes and self.gpus >= self.expected_gpus
 
     def summary(self) -> str:
-        """Return e.g. ``2/3 GPU nodes, 8/12 GPUs``."""
+        """Return e.g. ``2/3 GPU nodes, 8/12 GPUs`` (plus ``, 4 in use`` when some are)."""
+        busy = f", {self.busy:g} in use" if self.busy > 0 else ""
         return (
-            f"{self.nodes}/{self.expected_nodes} GPU nodes, {self.gpus}/{self.expected_gpus} GPUs"
+            f"{self.nodes}/{self.expected_nodes} GPU nodes, "
+            f"{self.gpus}/{self.expected_gpus} GPUs{busy}"
         )
 
 
@@ -76,6 +97,17 @@ def progress(plan: LaunchPlan, nodes: list[GpuNode]) -> ClusterProgress:
         expected_nodes=plan.gpu_pods,
         gpus=sum(n.gpus for n in nodes),
         expected_gpus=plan.total_gpus,
+        busy=sum(n.busy_gpus for n in nodes),
+    )
+
+
+def describe_held(state: ClusterProgress, report: HolderReport, live_only: bool) -> str:
+    """Say which GPUs are in use, by whom, and why the launch cannot go ahead."""
+    holders = HolderReport(report.live) if live_only else report
+    return (
+        f"{state.busy:g} of the cluster's {state.gpus} GPU(s) are in use, and vLLM's placement "
+        f"would wait for them forever: {holders.describe()}. The previous head job must be "
+        "stopped (ray job stop <submission id>) before a new launch"
     )
 
 
@@ -143,32 +175,65 @@ def layout_problems(plan: LaunchPlan, nodes: list[GpuNode], own_ip: str) -> list
     return problems
 
 
+def no_holders() -> HolderReport:
+    """The ``find_holders`` default: nothing can be asked."""
+    return HolderReport(error="no way to ask Ray was given")
+
+
 def wait_for_cluster(
     plan: LaunchPlan,
     list_nodes: Callable[[], list[GpuNode]],
     own_ip: str,
     timeout: float,
     progress_interval: float,
+    find_holders: Callable[[], HolderReport] = no_holders,
     poll_interval: float = 1.0,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> list[GpuNode]:
-    """Poll until the planned GPU nodes and GPUs are present; log progress at a steady rate."""
+    """Poll until the planned GPU nodes are present with all their GPUs free.
+
+    GPUs held by a job whose driver still runs (a stale ``vllm serve``) fail the launch at
+    once, naming the job; GPUs that are being released are waited for, within ``timeout``.
+    """
     start = clock()
     next_report = start
+    current = stages.WAITING_FOR_CLUSTER
+    stages.enter(current, nodes=plan.gpu_pods, gpus=plan.total_gpus, timeout=f"{timeout:g}")
     while True:
         nodes = list_nodes()
         state = progress(plan, nodes)
         now = clock()
-        if state.ready:
+        if state.ready and state.busy <= 0:
             log.info("Ray cluster ready: %s", state.summary())
             return nodes
+        report = find_holders() if state.ready else None
+        if report is not None and report.live:
+            raise GpusHeldError(describe_held(state, report, live_only=True))
+        stage = stages.WAITING_FOR_CLUSTER if report is None else stages.WAITING_FOR_FREE_GPUS
+        if stage != current:
+            current = stage
+            stages.enter(
+                stage,
+                nodes=f"{state.nodes}/{state.expected_nodes}",
+                gpus=f"{state.gpus}/{state.expected_gpus}",
+                busy=f"{state.busy:g}",
+            )
         if now - start >= timeout:
+            if report is not None:
+                raise GpusHeldError(
+                    f"timed out after {timeout:g}s waiting for GPUs to be released: "
+                    + describe_held(state, report, live_only=False)
+                )
             raise ClusterNotReadyError(
                 f"timed out after {timeout:g}s waiting for the Ray cluster: {state.summary()}; "
                 f"{describe_missing(plan, nodes, own_ip)}"
             )
         if now >= next_report:
-            log.info("waiting for the Ray cluster: %s", state.summary())
+            if report is None:
+                log.info("waiting for the Ray cluster: %s", state.summary())
+            else:
+                log.info("waiting for GPUs to be released: %s; %s", state.summary(),
+                         report.describe())  # fmt: skip
             next_report = now + progress_interval
         sleep(min(poll_interval, max(0.0, start + timeout - now)))

@@ -1,15 +1,24 @@
-"""The launch plan: the typed form of the JSON the operator renders into the head job.
+"""The launch plan: the one schema of what the operator hands the launcher, and its transport.
 
-The operator computes the data-parallel layout once; this module only reads it. Nothing here
-recomputes ranks or GPU counts: it checks types and a few invariants so that a broken plan
-fails with a message naming the key instead of a confusing error later.
+The operator computes the data-parallel layout once, builds a ``LaunchPlan`` and renders the
+head job's entrypoint with ``head_job_entrypoint``; the launcher decodes it with
+``decode_plan``. Both sides import this module, so a field cannot be added on one side only.
+Nothing here recomputes ranks or GPU counts: parsing checks types and a few invariants so that
+a broken plan fails with a message naming the key instead of a confusing error later.
+
+The plan travels as base64 (RFC 4648, standard alphabet, no line breaks) of its UTF-8 JSON:
+the entrypoint passes through shells (``/bin/sh -c`` in Ray's job supervisor; bash and
+``Popen(shell=True)`` in KubeRay's K8sJobMode), and base64 has no character any shell alters.
+This module imports only the standard library: the operator uses it without Ray.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
 from vllm_dp_launcher.errors import PlanError
@@ -21,6 +30,9 @@ PackStrategy = Literal["strict", "fill", "span"]
 DEFAULT_WAIT_TIMEOUT_SECONDS = 900.0
 DEFAULT_PREFLIGHT_TIMEOUT_SECONDS = 30.0
 
+LAUNCHER_MODULE = "vllm_dp_launcher"
+PLAN_B64_FLAG = "--plan-b64"
+
 
 @dataclass(frozen=True)
 class PodPlan:
@@ -30,6 +42,10 @@ class PodPlan:
     role: Literal["head", "worker"]
     ranks: tuple[int, ...]
     gpus: int
+
+    def __post_init__(self) -> None:
+        # Accept any sequence from a caller; equality with a parsed plan needs a tuple.
+        object.__setattr__(self, "ranks", tuple(self.ranks))
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,16 @@ class LaunchPlan:
     env: Mapping[str, str] = field(default_factory=dict)
     wait_timeout_seconds: float = DEFAULT_WAIT_TIMEOUT_SECONDS
     preflight_timeout_seconds: float = DEFAULT_PREFLIGHT_TIMEOUT_SECONDS
+    # After forwarding a stop signal, how long vllm serve may take to exit before the
+    # launcher kills its process group; None: wait for it (Ray's own stop still SIGKILLs
+    # after RAY_JOB_STOP_WAIT_TIME_S). The operator sets that variable to the same value.
+    drain_grace_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists and any mapping from a caller; equality with a parsed plan needs these.
+        object.__setattr__(self, "pods", tuple(self.pods))
+        object.__setattr__(self, "command", tuple(self.command))
+        object.__setattr__(self, "env", dict(self.env))
 
     @property
     def head_pod(self) -> PodPlan:
@@ -78,6 +104,12 @@ class LaunchPlan:
             "env": dict(self.env),
             "waitTimeoutSeconds": self.wait_timeout_seconds,
             "preflightTimeoutSeconds": self.preflight_timeout_seconds,
+            # Optional keys appear only when set: a launcher that predates them ignores them.
+            **(
+                {"drainGraceSeconds": self.drain_grace_seconds}
+                if self.drain_grace_seconds is not None
+                else {}
+            ),
         }
 
 
@@ -107,6 +139,11 @@ def _seconds(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise PlanError(f"launch plan: '{name}' must be a positive number, got {value!r}")
     return float(value)
+
+
+def _optional_seconds(value: Any, name: str) -> float | None:
+    """Check an optional positive number of seconds (null or absent: None)."""
+    return None if value is None else _seconds(value, name)
 
 
 def _str(value: Any, name: str) -> str:
@@ -196,6 +233,9 @@ def parse_plan(data: Any) -> LaunchPlan:
             _get(data, "preflightTimeoutSeconds", "", DEFAULT_PREFLIGHT_TIMEOUT_SECONDS),
             "preflightTimeoutSeconds",
         ),
+        drain_grace_seconds=_optional_seconds(
+            _get(data, "drainGraceSeconds", "", None), "drainGraceSeconds"
+        ),
     )
     _check_consistency(plan)
     return plan
@@ -227,3 +267,50 @@ def load_plan(text: str) -> LaunchPlan:
     except json.JSONDecodeError as exc:
         raise PlanError(f"launch plan: not valid JSON: {exc}") from exc
     return parse_plan(data)
+
+
+def plan_json(plan: LaunchPlan) -> str:
+    """The plan's canonical JSON text (sorted keys, no spaces, non-ASCII kept as is)."""
+    doc = plan.to_json_dict()
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def encode_plan(plan: LaunchPlan) -> str:
+    """Base64 (standard alphabet, no line breaks) of the plan's UTF-8 JSON, checked first.
+
+    The plan must read back as itself: a plan the launcher would refuse, or one that changes
+    on the way, raises PlanError here, in the operator, before anything is created.
+    """
+    back = parse_plan(plan.to_json_dict())
+    if back != plan:
+        differ = [f.name for f in fields(plan) if getattr(back, f.name) != getattr(plan, f.name)]
+        raise PlanError(f"launch plan: {', '.join(differ)} do not read back as given")
+    return base64.b64encode(plan_json(plan).encode("utf-8")).decode("ascii")
+
+
+def decode_plan(text: str, source: str = PLAN_B64_FLAG) -> LaunchPlan:
+    """Read a plan from ``encode_plan``'s form; errors name ``source`` and the rule broken."""
+    rule = "base64 of the plan's UTF-8 JSON (RFC 4648 standard alphabet, no line breaks)"
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, binascii.Error) as exc:
+        raise PlanError(f"{source}: not valid base64 ({exc}); expected {rule}") from exc
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError(
+            f"{source}: the decoded bytes are not UTF-8 ({exc}); expected {rule}"
+        ) from exc
+    try:
+        data = json.loads(decoded)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{source}: the decoded text is not JSON ({exc}); expected {rule}") from exc
+    try:
+        return parse_plan(data)
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from exc
+
+
+def head_job_entrypoint(plan: LaunchPlan) -> str:
+    """The head job's entrypoint: no shell alters it, so the plan arrives byte for byte."""
+    return f"python -m {LAUNCHER_MODULE} {PLAN_B64_FLAG} {encode_plan(plan)}"

@@ -65,9 +65,12 @@ def run_preflight(
         log.info("network preflight: %d GPU node(s) dial %s", len(nodes), endpoint)
         remote = ray.remote(probe.probe_launcher)
         reply_timeout = max(1.0, timeout * 0.7)
+        # The probe's own wait ends early enough for its TCP check and its answer to arrive
+        # before this timeout, however long its Ray worker took to start.
+        probe_deadline = time.time() + timeout - min(3.0, timeout * 0.25)
         pending = {
             remote.options(num_cpus=0, resources={f"node:{node.ip}": 0.001}, max_retries=0).remote(
-                own_ip, port, token, reply_timeout
+                own_ip, port, token, reply_timeout, probe_deadline
             ): node
             for node in nodes
         }

@@ -20,11 +20,20 @@ def _tcp_error(host: str, port: int, timeout: float) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-def probe_launcher(host: str, port: int, token: str, reply_timeout: float) -> dict[str, Any]:
-    """Connect a DEALER to the launcher's ROUTER, say hello, and wait for its answer."""
+def probe_launcher(
+    host: str, port: int, token: str, reply_timeout: float, deadline: float | None = None
+) -> dict[str, Any]:
+    """Connect a DEALER to the launcher's ROUTER, say hello, and wait for its answer.
+
+    ``deadline`` (seconds since the epoch) is when the launcher stops waiting for this
+    result, less the time to send it back: the first task on a node waits for a Ray worker
+    to start (seconds, on a busy node), so the wait here shrinks to still report in time.
+    """
     import ray
     import zmq
 
+    if deadline is not None:
+        reply_timeout = max(0.2, min(reply_timeout, deadline - time.time()))
     node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
     node_id = ray.get_runtime_context().get_node_id()
     host_part = f"[{host}]" if ":" in host else host

@@ -84,6 +84,10 @@ def format_plan(resource: Resource, options: RenderOptions) -> str:
         f"  layout: DP {plan.data_parallel_size}, TP {plan.tensor_parallel_size}, "
         f"{plan.ranks_per_node} rank(s) per node, pack strategy {plan.pack_strategy}",
         f"  pods:   {plan.gpu_pods} x {plan.gpus_per_pod} {gpu} = {plan.total_gpus} GPUs",
+        f"  api servers: {plan.api_servers} on the head pod (--api-server-count)",
+        f"  head pod:    cpu {plan.head_cpu or 'unset'}, memory {plan.head_memory or 'unset'} "
+        f"(resources plus {constants.HEAD_CPU_PER_API_SERVER} CPU and "
+        f"{constants.HEAD_MEMORY_PER_API_SERVER_MI}Mi per API server)",
         "",
     ]
     rows = [("POD", "ROLE", "RANKS", "GPUS USED/REQUESTED")]

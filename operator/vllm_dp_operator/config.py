@@ -23,15 +23,18 @@ class RenderOptions:
     ray_version: str = constants.RAY_VERSION
     #: NIC that Gloo and NCCL bind to in every pod (vllm#5094, vllm#7074).
     socket_ifname: str = "eth0"
+    #: fsGroup of every Ray pod, so the non-root engine can write the model cache claim.
+    fs_group: int = 2000
 
 
 @dataclass(frozen=True)
 class Config:
     """Every setting of the operator process, each from one VLLMDP_* variable."""
 
-    #: Renderer inputs: VLLMDP_ENGINE_IMAGE, VLLMDP_SOCKET_IFNAME.
+    #: Renderer inputs: VLLMDP_ENGINE_IMAGE, VLLMDP_SOCKET_IFNAME, VLLMDP_ENGINE_FS_GROUP.
     render: RenderOptions = field(default_factory=RenderOptions)
-    #: VLLMDP_HEALTH_PROBE: service-dns (in cluster), apiserver-proxy (outside), or off.
+    #: VLLMDP_HEALTH_PROBE: how the operator reaches vLLM's /health and the Ray dashboard on
+    #: the head pod: service-dns (in cluster), apiserver-proxy (outside), or off.
     health_probe: str = "service-dns"
     #: VLLMDP_RESYNC_SECONDS: how often each resource is reconciled without an event.
     resync_seconds: float = 5.0
@@ -39,8 +42,12 @@ class Config:
     backoff_base_seconds: float = 10.0
     #: VLLMDP_BACKOFF_CAP_SECONDS: longest wait between head-job relaunches.
     backoff_cap_seconds: float = 300.0
-    #: VLLMDP_HEALTH_TIMEOUT_SECONDS: timeout of one /health probe.
+    #: VLLMDP_HEALTH_TIMEOUT_SECONDS: timeout of one /health probe or Ray job API call.
     health_timeout_seconds: float = 2.0
+    #: VLLMDP_STOP_CONFIRM_SECONDS: how long the operator tries to confirm that a stopped Ray
+    #: job has ended (after its drain grace, when the stop was delivered) before it goes ahead
+    #: with a Warning event.
+    stop_confirm_seconds: float = 60.0
 
     @classmethod
     def from_env(cls) -> Config:
@@ -50,12 +57,14 @@ class Config:
             render=RenderOptions(
                 default_image=os.environ.get("VLLMDP_ENGINE_IMAGE") or defaults.default_image,
                 socket_ifname=os.environ.get("VLLMDP_SOCKET_IFNAME") or defaults.socket_ifname,
+                fs_group=int(os.environ.get("VLLMDP_ENGINE_FS_GROUP") or defaults.fs_group),
             ),
             health_probe=os.environ.get("VLLMDP_HEALTH_PROBE") or "service-dns",
             resync_seconds=_env_float("VLLMDP_RESYNC_SECONDS", 5.0),
             backoff_base_seconds=_env_float("VLLMDP_BACKOFF_BASE_SECONDS", 10.0),
             backoff_cap_seconds=_env_float("VLLMDP_BACKOFF_CAP_SECONDS", 300.0),
             health_timeout_seconds=_env_float("VLLMDP_HEALTH_TIMEOUT_SECONDS", 2.0),
+            stop_confirm_seconds=_env_float("VLLMDP_STOP_CONFIRM_SECONDS", 60.0),
         )
 
     def backoff(self, consecutive_failures: int) -> float:

@@ -17,15 +17,48 @@ RAY_VERSION: Final = "2.60.0"
 
 DEFAULT_SERVING_PORT: Final = 8000
 DEFAULT_SHM_SIZE: Final = "16Gi"
-# Ports the Ray head pod already uses; the API server must not collide with them.
 RAY_GCS_PORT: Final = 6379
 RAY_DASHBOARD_PORT: Final = 8265
 RAY_CLIENT_PORT: Final = 10001
-RAY_RESERVED_PORTS: Final = (RAY_GCS_PORT, RAY_DASHBOARD_PORT, RAY_CLIENT_PORT)
+# Ports Ray and KubeRay take on every Ray pod (or on the head, which serves the API), each with
+# its owner: `vllm serve` on one of them fails to bind. Ranges are inclusive.
+RESERVED_PORTS: Final = (
+    (RAY_GCS_PORT, RAY_GCS_PORT, "the Ray GCS server on the head pod"),
+    (8080, 8080, "Ray's metrics agent: KubeRay always passes --metrics-export-port=8080"),
+    (RAY_DASHBOARD_PORT, RAY_DASHBOARD_PORT, "the Ray dashboard and job API on the head pod"),
+    (RAY_CLIENT_PORT, RAY_CLIENT_PORT, "the Ray client server on the head pod"),
+    (10002, 19999, "Ray worker processes (ray start's default --min/max-worker-port range)"),
+    (52365, 52365, "the Ray dashboard agent: KubeRay passes --dashboard-agent-listen-port=52365"),
+)
 
-# Longest resource name whose children (RayCluster, its pods and head Service) stay
-# within Kubernetes' 63-character label and DNS-label limits.
-MAX_NAME_LENGTH: Final = 40
+# Name limits of the children, all named after the resource (KubeRay utils/constant.go and
+# validation.go; Kubernetes DNS labels). The attempt suffix has a fixed width, so the limit
+# does not depend on how many head jobs a resource has had.
+KUBERAY_MAX_RAYJOB_NAME: Final = 47
+KUBERAY_MAX_RAYCLUSTER_NAME: Final = 53
+DNS_LABEL_MAX: Final = 63
+CLUSTER_HASH_SUFFIX: Final = 6  # "-" + 5 hex characters of the shape hash
+ATTEMPT_SUFFIX: Final = 7  # "-j" + 5 base-36 digits of the attempt (see names.head_job)
+HEAD_SERVICE_SUFFIX: Final = "-head-svc"  # KubeRay's head Service: <cluster>-head-svc
+API_SERVICE_SUFFIX: Final = "-api"
+MAX_NAME_LENGTH: Final = min(
+    KUBERAY_MAX_RAYJOB_NAME - ATTEMPT_SUFFIX,
+    KUBERAY_MAX_RAYCLUSTER_NAME - CLUSTER_HASH_SUFFIX,
+    DNS_LABEL_MAX - CLUSTER_HASH_SUFFIX - len(HEAD_SERVICE_SUFFIX),
+    DNS_LABEL_MAX - len(API_SERVICE_SUFFIX),
+)
+# A DNS-1035 label: the Service, RayCluster and RayJob names must be one (KubeRay rejects
+# others with ValidationFailed; the API server rejects such a Service).
+DNS1035_PATTERN: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+# Launch and stop timing defaults (spec.launch).
+DEFAULT_LAUNCH_TIMEOUT_SECONDS: Final = 3600
+DEFAULT_DRAIN_SECONDS: Final = 30
+# Extra CPU and memory the head pod gets per vLLM API server process it runs.
+HEAD_CPU_PER_API_SERVER: Final = 1
+HEAD_MEMORY_PER_API_SERVER_MI: Final = 2048
+# Where a model cache claim is mounted by default: outside /root, which is 0700 in vLLM's image.
+DEFAULT_MODEL_CACHE_PATH: Final = "/var/cache/huggingface"
 
 # Label keys.
 LABEL_NAME: Final = "app.kubernetes.io/name"
@@ -38,6 +71,14 @@ LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 LABEL_CLUSTER: Final = f"{GROUP}/cluster"
 LABEL_RAY_CLUSTER: Final = "ray.io/cluster"
 LABEL_RAY_NODE_TYPE: Final = "ray.io/node-type"
+# On the head pod while its vLLM answers /health; the API Service selects it.
+LABEL_SERVING: Final = f"{GROUP}/serving"
+# Annotations on a head RayJob: the head pod it was launched on, and how its stop went.
+ANNOTATION_HEAD_POD_UID: Final = f"{GROUP}/head-pod-uid"
+ANNOTATION_RETIRE_STARTED: Final = f"{GROUP}/retire-started-at"
+ANNOTATION_STOP_REQUESTED: Final = f"{GROUP}/stop-requested-at"
+# Ray job stop: SIGTERM, then SIGKILL after this many seconds (Ray's job supervisor).
+RAY_JOB_STOP_WAIT_ENV: Final = "RAY_JOB_STOP_WAIT_TIME_S"
 
 APP_NAME: Final = "vllm-dp"
 MANAGER: Final = "vllm-dp-operator"
@@ -72,9 +113,12 @@ REASON_JOB_CREATED: Final = "HeadJobCreated"
 REASON_JOB_RUNNING: Final = "HeadJobRunning"
 REASON_JOB_PENDING: Final = "HeadJobPending"
 REASON_JOB_FAILED: Final = "HeadJobFailed"
+REASON_JOB_TIMED_OUT: Final = "LaunchTimedOut"
+REASON_JOB_STOPPING: Final = "HeadJobStopping"
+REASON_JOB_STOPPED: Final = "HeadJobStopped"
+REASON_JOB_STOP_UNCONFIRMED: Final = "HeadJobStopUnconfirmed"
 REASON_JOB_RELAUNCH: Final = "HeadJobRelaunched"
 REASON_JOB_BACKOFF: Final = "HeadJobBackoff"
-REASON_ENGINE_CHANGED: Final = "EngineConfigChanged"
 REASON_HEALTHY: Final = "EngineHealthy"
 REASON_NOT_HEALTHY: Final = "EngineNotHealthy"
 REASON_NO_CLUSTER: Final = "NoRayCluster"

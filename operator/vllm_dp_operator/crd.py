@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.models import VLLMDataParallelSpec, VLLMDataParallelStatus
-from vllm_dp_operator.validation import NAME_RULE_CEL, NAME_RULE_MESSAGE, RULES
+from vllm_dp_operator.validation import NAME_RULES, RULES
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "DP", "type": "integer", "jsonPath": ".spec.dataParallel.size"},
@@ -129,11 +129,12 @@ def build_crd() -> dict[str, Any]:
                             },
                             "x-kubernetes-validations": [
                                 {
-                                    "rule": NAME_RULE_CEL,
-                                    "message": NAME_RULE_MESSAGE,
+                                    "rule": r.cel,
+                                    "message": r.message,
                                     "fieldPath": ".metadata.name",
                                     "reason": "FieldValueInvalid",
                                 }
+                                for r in NAME_RULES
                             ],
                         }
                     },

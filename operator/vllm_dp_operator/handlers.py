@@ -10,9 +10,11 @@ import kopf
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.kube import ApiKube
-from vllm_dp_operator.probe import make_probe
+from vllm_dp_operator.kube import ApiKube, NamespaceTerminating
+from vllm_dp_operator.probe import TransportProbe
+from vllm_dp_operator.ray_dashboard import DashboardJobs
 from vllm_dp_operator.reconcile import Outcome, Resource, reconcile
+from vllm_dp_operator.transport import make_transport
 
 CONFIG = Config.from_env()
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
@@ -29,13 +31,16 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     kube = await ApiKube.connect()
     memo.kube = kube
-    memo.probe = make_probe(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
+    memo.transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
+    memo.probe = TransportProbe(memo.transport)
+    memo.ray_jobs = DashboardJobs(memo.transport)
     memo.locks = {}
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Close the API client."""
+    """Close the HTTP sessions and the API client."""
+    await memo.transport.close()
     await memo.kube.close()
 
 
@@ -49,27 +54,39 @@ def _apply(outcome: Outcome, body: kopf.Body, patch: kopf.Patch) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
 
-async def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo) -> None:
+async def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
     res = Resource.from_body(body)
     lock = memo.locks.setdefault(res.uid, asyncio.Lock())
     async with lock:  # the timer and change handlers never reconcile one object at once
-        outcome = await reconcile(res, memo.kube, memo.probe, CONFIG, datetime.now(UTC))
+        try:
+            outcome = await reconcile(
+                res, memo.kube, memo.probe, memo.ray_jobs, CONFIG, datetime.now(UTC)
+            )
+        except NamespaceTerminating:
+            # Everything in the namespace goes with it, this resource too: nothing to do.
+            logger.info("Namespace %s is being deleted; nothing to reconcile", res.namespace)
+            return
     _apply(outcome, body, patch)
 
 
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE, field="spec")
-async def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+async def on_change(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
     """Create, resume and spec changes: reconcile now."""
-    await _run(body, patch, memo)
+    await _run(body, patch, memo, logger)
 
 
 # The first tick waits one interval: the change handlers already reconcile a new object.
+# Time-based steps (backoff, the launch deadline, a stop's drain) are checked on every tick.
 @kopf.timer(*RESOURCE, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
-async def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+async def resync(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
+) -> None:
     """Level-triggered resync: children's progress is read on every tick."""
-    await _run(body, patch, memo)
+    await _run(body, patch, memo, logger)
 
 
 @kopf.on.delete(*RESOURCE, optional=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +37,21 @@ class AlreadyExists(Exception):
     """Create answered 409: the object is already there."""
 
 
+class NamespaceTerminating(Exception):
+    """Create answered 403 because the namespace is being deleted: nothing left to do there."""
+
+
+def _namespace_terminating(exc: ApiException) -> bool:
+    # The API server refuses creates in a terminating namespace with 403 and this cause.
+    if exc.status != 403:
+        return False
+    try:
+        causes = (json.loads(exc.body or "{}").get("details") or {}).get("causes") or []
+    except (ValueError, AttributeError):
+        return False
+    return any(c.get("reason") == "NamespaceTerminating" for c in causes)
+
+
 class Kube(Protocol):
     """What the reconcile needs from the API server; tests replace it with a double."""
 
@@ -48,7 +64,7 @@ class Kube(Protocol):
         ...
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Create an object; raise AlreadyExists on 409."""
+        """Create an object; raise AlreadyExists on 409, NamespaceTerminating as it says."""
         ...
 
     async def patch(
@@ -122,12 +138,14 @@ class ApiKube:
         return obj
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Create an object; raise AlreadyExists on 409."""
+        """Create an object; raise AlreadyExists on 409, NamespaceTerminating as it says."""
         try:
             obj: dict[str, Any] = await self._call("POST", kind.path(namespace), body=body)
         except ApiException as exc:
             if exc.status == 409:
                 raise AlreadyExists(body["metadata"]["name"]) from exc
+            if _namespace_terminating(exc):
+                raise NamespaceTerminating(namespace) from None
             raise
         return obj
 

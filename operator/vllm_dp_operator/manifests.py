@@ -72,7 +72,6 @@ def render_resource(
                 resource.namespace,
                 resource.spec,
                 resource.plan,
-                options,
                 cluster_name,
                 FIRST_ATTEMPT,
                 owner,

@@ -97,10 +97,11 @@ class ModelCache(ApiModel):
         min_length=1, max_length=253, description="Name of an existing PersistentVolumeClaim."
     )
     mount_path: str = Field(
-        default="/root/.cache/huggingface",
+        default=constants.DEFAULT_MODEL_CACHE_PATH,
         pattern=r"^/",
         max_length=4096,
-        description="Where the claim is mounted; HF_HOME points here.",
+        description="Where the claim is mounted; HF_HOME points here. The engine runs as a "
+        "non-root user, and the pods' fsGroup makes the claim writable to it.",
     )
     read_only: bool = Field(default=False, description="Mount the claim read-only.")
 
@@ -125,6 +126,28 @@ class EnvVar(ApiModel):
         description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef). "
         "Such variables are set on every Ray pod, so changing them replaces the pods.",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class LaunchSpec(ApiModel):
+    """Deadlines of a head job: how long a launch may take, and how long a stop drains."""
+
+    timeout_seconds: int = Field(
+        default=constants.DEFAULT_LAUNCH_TIMEOUT_SECONDS,
+        ge=5,
+        le=7 * 24 * 3600,
+        description="Seconds a head job may take from creation until vLLM answers /health. "
+        "Past it, the head job is stopped and counted as a failure (relaunched with backoff), "
+        "and the status names the stage it was stuck in. Allow for the model download.",
+    )
+    drain_seconds: int = Field(
+        default=constants.DEFAULT_DRAIN_SECONDS,
+        ge=0,
+        le=3600,
+        description="Grace given to in-flight requests when a head job is stopped (an engine "
+        "change, a relaunch): the API Service stops routing to it first, then Ray sends SIGTERM "
+        "and waits this long before SIGKILL (RAY_JOB_STOP_WAIT_TIME_S). Takes effect at the "
+        "next launch.",
     )
 
 
@@ -180,8 +203,9 @@ class VLLMDataParallelSpec(ApiModel):
         default=None,
         ge=1,
         le=64,
-        description="API server processes on the head pod (vLLM --api-server-count); "
-        "vLLM's default when unset.",
+        description="API server processes on the head pod (vLLM --api-server-count). Unset "
+        "means vLLM's default, one per DP rank. The head pod gets 1 CPU and 2Gi of memory per "
+        "API server on top of resources, so this count is part of the cluster shape.",
     )
     gpu: Gpu = Field(default_factory=Gpu, description="GPU shape of the Ray pods.")
     resources: PodResources = Field(
@@ -232,6 +256,9 @@ class VLLMDataParallelSpec(ApiModel):
     )
     service: ServiceSpec = Field(
         default_factory=ServiceSpec, description="Service exposing the API server."
+    )
+    launch: LaunchSpec = Field(
+        default_factory=LaunchSpec, description="Launch deadline and stop drain of head jobs."
     )
     suspend: bool = Field(
         default=False,
@@ -290,4 +317,12 @@ class VLLMDataParallelStatus(ApiModel):
     last_failed_job: str | None = Field(default=None, description="Last head job seen failed.")
     last_failure_time: str | None = Field(
         default=None, description="When the last head-job failure was seen (RFC 3339)."
+    )
+    last_failure_reason: str | None = Field(
+        default=None, description="Why the last head job failed, in words."
+    )
+    served_job: str | None = Field(
+        default=None,
+        description="The last head job seen serving; the launch deadline no longer applies "
+        "to it.",
     )

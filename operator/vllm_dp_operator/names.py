@@ -20,19 +20,47 @@ def raycluster(instance: str, cluster_hash: str) -> str:
     return f"{instance}-{cluster_hash[:5]}"
 
 
+_BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+_ATTEMPT_DIGITS = constants.ATTEMPT_SUFFIX - 2  # after "-j"
+
+
+def attempt_tag(attempt: int) -> str:
+    """The attempt as fixed-width base 36 ('00001', '0000a', ...), wrapping after 36^5 - 1."""
+    n = attempt % 36**_ATTEMPT_DIGITS
+    digits = ""
+    for _ in range(_ATTEMPT_DIGITS):
+        n, r = divmod(n, 36)
+        digits = _BASE36[r] + digits
+    return digits
+
+
 def head_job(instance: str, attempt: int) -> str:
-    """Head RayJob name for a launch attempt."""
-    return f"{instance}-launch-{attempt}"
+    """Head RayJob name for a launch attempt; it is also the Ray job's submission id.
+
+    A fixed-width suffix keeps every attempt within KubeRay's 47-character RayJob limit for
+    any resource name the CRD admits (a growing decimal suffix did not).
+    """
+    return f"{instance}-j{attempt_tag(attempt)}"
+
+
+def head_service(cluster: str) -> str:
+    """KubeRay's Service in front of the Ray head pod: the dashboard and declared ports."""
+    return f"{cluster}{constants.HEAD_SERVICE_SUFFIX}"
 
 
 def service(instance: str) -> str:
     """API Service name; the suffix keeps it from ever being `vllm` (vllm#34199)."""
-    return f"{instance}-api"
+    return f"{instance}{constants.API_SERVICE_SUFFIX}"
 
 
 def endpoint(instance: str, namespace: str, port: int) -> str:
     """In-cluster base URL of the OpenAI-compatible API."""
     return f"http://{service(instance)}.{namespace}.svc:{port}/v1"
+
+
+def head_pod_selector(cluster: str) -> str:
+    """Label selector of the Ray head pod of one RayCluster."""
+    return f"{constants.LABEL_RAY_CLUSTER}={cluster},{constants.LABEL_RAY_NODE_TYPE}=head"
 
 
 def instance_labels(instance: str, component: str) -> dict[str, str]:

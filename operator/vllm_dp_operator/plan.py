@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
+from vllm_dp_launcher import plan as launcher_plan
+
+from vllm_dp_operator import constants
 from vllm_dp_operator.models import PackStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.quantity import cpu_quantity, memory_quantity, quantity_value
 
-LAUNCH_PLAN_VERSION = 1
 # Prefixes vLLM copies from the driver to every engine actor, on top of its own.
 # GLOO_ is not copied by default (vllm#5094); NCCL_ and HF_ settings must reach every rank.
 # VLLM_ is left to vLLM's own list, which keeps each node's VLLM_HOST_IP local (vllm#13521).
 COPIED_ENV_PREFIXES = ("GLOO_", "NCCL_", "HF_")
-DEFAULT_WAIT_TIMEOUT_SECONDS = 900
-DEFAULT_PREFLIGHT_TIMEOUT_SECONDS = 30
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Plan:
     port: int
     command: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
+    api_servers: int  # vLLM API server processes on the head pod (--api-server-count)
+    head_cpu: str | None  # the head pod's CPU: the per-pod CPU plus one per API server
+    head_memory: str | None  # the head pod's memory: per-pod memory plus some per API server
 
     @property
     def gpu_pods(self) -> int:
@@ -61,28 +65,35 @@ class Plan:
         """GPUs requested by all pods."""
         return self.gpus_per_pod * len(self.pods)
 
-    def launch_spec(self) -> dict[str, Any]:
-        """The JSON document the head job hands to the launcher."""
-        return {
-            "version": LAUNCH_PLAN_VERSION,
-            "model": self.model,
-            "dataParallelSize": self.data_parallel_size,
-            "ranksPerNode": self.ranks_per_node,
-            "tensorParallelSize": self.tensor_parallel_size,
-            "packStrategy": self.pack_strategy,
-            "gpuPods": self.gpu_pods,
-            "gpusPerPod": self.gpus_per_pod,
-            "totalGpus": self.total_gpus,
-            "pods": [
-                {"index": p.index, "role": p.role, "ranks": list(p.ranks), "gpus": p.gpus}
+    def launch_plan(self) -> launcher_plan.LaunchPlan:
+        """The plan as the launcher's own type: the one definition of the head job contract."""
+        return launcher_plan.LaunchPlan(
+            version=launcher_plan.SUPPORTED_VERSION,
+            model=self.model,
+            data_parallel_size=self.data_parallel_size,
+            ranks_per_node=self.ranks_per_node,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pack_strategy=cast(launcher_plan.PackStrategy, self.pack_strategy),
+            gpu_pods=self.gpu_pods,
+            gpus_per_pod=self.gpus_per_pod,
+            total_gpus=self.total_gpus,
+            pods=tuple(
+                launcher_plan.PodPlan(
+                    index=p.index,
+                    role=cast(Literal["head", "worker"], p.role),
+                    ranks=p.ranks,
+                    gpus=p.gpus,
+                )
                 for p in self.pods
-            ],
-            "port": self.port,
-            "command": list(self.command),
-            "env": dict(self.env),
-            "waitTimeoutSeconds": DEFAULT_WAIT_TIMEOUT_SECONDS,
-            "preflightTimeoutSeconds": DEFAULT_PREFLIGHT_TIMEOUT_SECONDS,
-        }
+            ),
+            port=self.port,
+            command=self.command,
+            env=dict(self.env),
+        )
+
+    def launch_spec(self) -> dict[str, Any]:
+        """The JSON document the head job hands to the launcher, as the launcher writes it."""
+        return self.launch_plan().to_json_dict()
 
 
 def compact_ranges(ranks: tuple[int, ...]) -> str:
@@ -132,6 +143,28 @@ def _span_pods(dp: int, tp: int, gpus_per_pod: int) -> list[PodPlan]:
     ]
 
 
+def api_server_count(spec: VLLMDataParallelSpec) -> int:
+    """API servers on the head: the spec's, else vLLM's default with its own load balancing.
+
+    vLLM 0.33 starts one per DP rank when --api-server-count is unset (internal load
+    balancing); the operator passes the count explicitly so the head can be sized for it.
+    """
+    return spec.api_server_count or spec.data_parallel.size
+
+
+def head_resources(spec: VLLMDataParallelSpec) -> tuple[str | None, str | None]:
+    """The head pod's CPU and memory: the per-pod amounts plus a share per API server."""
+    servers = api_server_count(spec)
+    cpu = memory = None
+    if spec.resources.cpu:
+        cores = quantity_value(spec.resources.cpu) + servers * constants.HEAD_CPU_PER_API_SERVER
+        cpu = cpu_quantity(cores)
+    if spec.resources.memory:
+        extra = servers * constants.HEAD_MEMORY_PER_API_SERVER_MI * 2**20
+        memory = memory_quantity(quantity_value(spec.resources.memory) + extra)
+    return cpu, memory
+
+
 def build_command(
     spec: VLLMDataParallelSpec, ranks_per_node: int, gpus_per_pod: int
 ) -> tuple[str, ...]:
@@ -151,8 +184,7 @@ def build_command(
         cmd += ["--distributed-executor-backend", "ray"]
     if spec.served_model_name:
         cmd += ["--served-model-name", spec.served_model_name]
-    if spec.api_server_count is not None:
-        cmd += ["--api-server-count", str(spec.api_server_count)]
+    cmd += ["--api-server-count", str(api_server_count(spec))]
     return (*cmd, *spec.engine_args)
 
 
@@ -188,6 +220,7 @@ def build_plan(spec: VLLMDataParallelSpec) -> Plan:
         pods = _fill_pods(dp, per_node, tp, per_pod)
     else:
         pods = _span_pods(dp, tp, per_pod)
+    head_cpu, head_memory = head_resources(spec)
     return Plan(
         model=spec.model,
         data_parallel_size=dp,
@@ -199,4 +232,7 @@ def build_plan(spec: VLLMDataParallelSpec) -> Plan:
         port=spec.service.port,
         command=build_command(spec, per_node, per_pod),
         env=build_env(spec),
+        api_servers=api_server_count(spec),
+        head_cpu=head_cpu,
+        head_memory=head_memory,
     )

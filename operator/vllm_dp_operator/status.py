@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
 
@@ -116,37 +115,3 @@ def explain_pending(pods: Iterable[Mapping[str, Any]], gpus_per_pod: int, resour
         f"{unschedulable[0]} Each pod needs {gpus_per_pod} {resource}; free GPUs, add GPU "
         "nodes, or lower dataParallel.size, tensorParallelSize or gpu.perPod."
     )
-
-
-class JobState(StrEnum):
-    """What a head RayJob is doing, as far as relaunch decisions go."""
-
-    PENDING = "Pending"
-    RUNNING = "Running"
-    FAILED = "Failed"
-    ENDED = "Ended"  # vllm serve exited 0: the engines are gone all the same
-
-
-def job_state(job: Mapping[str, Any]) -> JobState:
-    """Classify a RayJob from jobStatus and jobDeploymentStatus."""
-    status = job.get("status") or {}
-    deployment = status.get("jobDeploymentStatus")
-    ray_status = status.get("jobStatus")
-    if deployment in ("Failed", "ValidationFailed") or ray_status in ("FAILED", "STOPPED"):
-        return JobState.FAILED
-    if deployment == "Complete" or ray_status == "SUCCEEDED":
-        return JobState.ENDED
-    if ray_status == "RUNNING":
-        return JobState.RUNNING
-    return JobState.PENDING
-
-
-def job_failure_detail(job: Mapping[str, Any]) -> str:
-    """The reason KubeRay gives for a finished job, if any."""
-    status = job.get("status") or {}
-    parts = [
-        str(status[key])
-        for key in ("jobDeploymentStatus", "jobStatus", "reason", "message")
-        if status.get(key)
-    ]
-    return ", ".join(parts) or "no detail from KubeRay"

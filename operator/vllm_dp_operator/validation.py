@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.models import PackStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.quantity import quantity_value
 
 
 @dataclass(frozen=True)
@@ -123,20 +124,6 @@ def _strategy(s: VLLMDataParallelSpec) -> str:
     return str(s.data_parallel.pack_strategy)
 
 
-_SUFFIX = {"m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-           "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50,
-           "Ei": 2.0**60}  # fmt: skip
-
-
-def quantity_value(text: str) -> float:
-    """The value of a Kubernetes quantity string ('500m' -> 0.5, '2Ki' -> 2048.0)."""
-    match = re.fullmatch(r"\+?([0-9.]+)(?:[eE]([+-]?[0-9]+)|([a-zA-Z]*))", text)
-    if not match or match.group(3) not in (None, *_SUFFIX):
-        raise ValueError(f"not a quantity: {text!r}")
-    exponent = 10.0 ** int(match.group(2)) if match.group(2) else 1.0
-    return float(match.group(1)) * exponent * _SUFFIX[match.group(3) or ""]
-
-
 def busiest_pod_ranks(s: VLLMDataParallelSpec) -> int:
     """The most DP ranks one pod may hold: each needs one Ray CPU for its control bundle."""
     if _strategy(s) == PackStrategy.SPAN:
@@ -162,6 +149,22 @@ def _enough_cpus(s: VLLMDataParallelSpec) -> bool:
         return quantity_value(s.resources.cpu) >= busiest_pod_ranks(s)
     except ValueError:
         return True  # the schema's pattern reports a malformed quantity
+
+
+def _reserved_port_rule(low: int, high: int, owner: str) -> Rule:
+    ports = str(low) if low == high else f"{low}-{high}"
+    cel = (
+        f"self.service.port != {low}"
+        if low == high
+        else f"self.service.port < {low} || self.service.port > {high}"
+    )
+    return Rule(
+        field="service.port",
+        cel=cel,
+        message=f"must not be {ports}: that port belongs to {owner}, so vllm serve could not "
+        "bind it on the head pod",
+        holds=lambda s: not low <= s.service.port <= high,
+    )
 
 
 def _reserved_list() -> str:
@@ -237,15 +240,11 @@ RULES: tuple[Rule, ...] = (
         cel="!has(self.resources.cpu) || !isQuantity(self.resources.cpu) || "
         f"quantity(self.resources.cpu).asApproximateFloat() >= double({_BUSIEST_CEL})",
         message="must be at least one CPU per DP rank a pod holds: vLLM gives every rank a Ray "
-        "placement group with a CPU bundle, and without the CPUs the launch waits forever",
+        "placement group with a CPU bundle, and without the CPUs the launch waits forever (the "
+        "head pod gets one more CPU per API server on top of this)",
         holds=_enough_cpus,
     ),
-    Rule(
-        field="service.port",
-        cel="!(self.service.port in [6379, 8265, 10001])",
-        message="must not be 6379, 8265 or 10001: the Ray head pod uses those ports",
-        holds=lambda s: s.service.port not in constants.RAY_RESERVED_PORTS,
-    ),
+    *(_reserved_port_rule(low, high, owner) for low, high, owner in constants.RESERVED_PORTS),
     *(_owned_flag_rule(f) for f in OWNED_FLAGS),
     Rule(
         field="env",
@@ -274,11 +273,38 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
-NAME_RULE_CEL = f"self.metadata.name.size() <= {constants.MAX_NAME_LENGTH}"
-NAME_RULE_MESSAGE = (
-    f"must be at most {constants.MAX_NAME_LENGTH} characters: the RayCluster, its pods and "
-    "Services are named after it within Kubernetes' 63-character limit"
+@dataclass(frozen=True)
+class NameRule:
+    """A rule on metadata.name: a CEL expression (self = the object) and a predicate."""
+
+    cel: str
+    message: str
+    holds: Callable[[str], bool]
+
+
+_DNS1035 = re.compile(constants.DNS1035_PATTERN)
+NAME_RULES: tuple[NameRule, ...] = (
+    NameRule(
+        cel=f"self.metadata.name.size() <= {constants.MAX_NAME_LENGTH}",
+        message=f"must be at most {constants.MAX_NAME_LENGTH} characters: the head RayJob "
+        f"<name>-j<attempt> must fit KubeRay's {constants.KUBERAY_MAX_RAYJOB_NAME}-character "
+        "limit, and the RayCluster, its head Service and the API Service are named after it too",
+        holds=lambda n: len(n) <= constants.MAX_NAME_LENGTH,
+    ),
+    NameRule(
+        cel=f"self.metadata.name.matches('{constants.DNS1035_PATTERN}')",
+        message="must be a DNS-1035 label: lowercase letters, digits and '-', starting with a "
+        "letter and ending with a letter or digit (no dots), because the API Service, the "
+        "RayCluster and the head RayJob are named after it and Kubernetes and KubeRay accept "
+        "only such names for them (e.g. qwen2-5-dp8, not qwen2.5-dp8 or 7b-dp)",
+        holds=lambda n: bool(_DNS1035.fullmatch(n)),
+    ),
 )
+
+
+def check_name(name: str) -> list[FieldError]:
+    """Every broken rule of a resource name."""
+    return [FieldError("metadata.name", r.message) for r in NAME_RULES if not r.holds(name)]
 
 
 def _pydantic_errors(err: ValidationError) -> list[FieldError]:
@@ -297,9 +323,7 @@ def check_rules(spec: VLLMDataParallelSpec) -> list[FieldError]:
 
 def validate(name: str, raw_spec: Mapping[str, Any] | None) -> VLLMDataParallelSpec:
     """Parse and check a spec as the API server would; raise SpecError naming each field."""
-    errors: list[FieldError] = []
-    if len(name) > constants.MAX_NAME_LENGTH:
-        errors.append(FieldError("metadata.name", NAME_RULE_MESSAGE))
+    errors = check_name(name)
     try:
         spec = VLLMDataParallelSpec.model_validate(raw_spec or {})
     except ValidationError as err:

@@ -1,25 +1,15 @@
 """Render the operator's Helm chart and read its RBAC; shared by the chart, control-plane and
 kind tiers (they load this file by path: the test folders are not packages).
 
-The chart declares the KubeRay operator chart as an optional dependency (`kuberay.enabled`,
-off by default). Helm 3.22 refuses `helm template`/`install` while a declared dependency is
-missing from `charts/`, even when its condition is false ("found in Chart.yaml, but missing in
-charts/ directory"), and only warns in `helm lint`. Fetching it needs the internet, which the
-test machines lack. So, unless the dependency has been vendored with `helm dependency build`,
-`renderable_chart()` renders a temporary copy whose Chart.yaml omits that one disabled
-dependency. That is output-identical: a dependency whose condition is false contributes no
-manifests and no values to the parent. The copy is refused (DependencyUnavailable) whenever
-the values in play turn `kuberay.enabled` on, so nothing is ever silently rendered without it.
+The chart has no dependencies (KubeRay is installed with its own chart), so helm renders and
+installs the checked-out directory as it is: what the README's `helm install` line does.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,17 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "vllm-dp-operator"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 ENSURE_HELM = REPO / "tests" / "chart" / "ensure_helm.sh"
-KUBERAY_DEPENDENCY = "kuberay-operator"
 DEFAULT_RELEASE = "vdp"
 DEFAULT_NAMESPACE = "vllm-dp-system"
 
 
 class HelmUnavailable(RuntimeError):
     """The helm binary could not be found or built."""
-
-
-class DependencyUnavailable(RuntimeError):
-    """The values enable the KubeRay subchart, but it has not been vendored."""
 
 
 def helm_binary() -> str:
@@ -61,72 +46,6 @@ def helm_binary() -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def dependency_vendored() -> bool:
-    """True when `helm dependency build` has put the KubeRay chart archive under charts/."""
-    return any((CHART / "charts").glob(f"{KUBERAY_DEPENDENCY}-*.tgz"))
-
-
-def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def kuberay_enabled(values_files: Iterable[Path], set_values: Iterable[str]) -> bool:
-    """Whether these values turn the KubeRay subchart on (how helm would merge them)."""
-    values: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text()) or {}
-    for path in values_files:
-        values = _deep_merge(values, yaml.safe_load(Path(path).read_text()) or {})
-    enabled = bool((values.get("kuberay") or {}).get("enabled", False))
-    for item in set_values:
-        key, _, raw = item.partition("=")
-        if key.strip() == "kuberay.enabled":
-            enabled = raw.strip().lower() == "true"
-    return enabled
-
-
-_stripped_copy: Path | None = None
-
-
-def _chart_without_kuberay() -> Path:
-    global _stripped_copy
-    if _stripped_copy is None:
-        root = Path(tempfile.mkdtemp(prefix="vllmdp-chart-"))
-        atexit.register(shutil.rmtree, root, True)
-        copy = root / CHART.name
-        shutil.copytree(CHART, copy, ignore=shutil.ignore_patterns("charts", "Chart.lock"))
-        meta = yaml.safe_load((copy / "Chart.yaml").read_text())
-        deps = meta.get("dependencies") or []
-        ours = [d for d in deps if d.get("name") == KUBERAY_DEPENDENCY]
-        # Only a disabled-by-condition dependency may be dropped; anything else is a chart change
-        # this helper must not paper over.
-        assert len(ours) == 1 and ours[0].get("condition") == "kuberay.enabled", ours
-        meta["dependencies"] = [d for d in deps if d.get("name") != KUBERAY_DEPENDENCY]
-        if not meta["dependencies"]:
-            del meta["dependencies"]
-        (copy / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
-        _stripped_copy = copy
-    return _stripped_copy
-
-
-def renderable_chart(
-    values_files: Sequence[Path] = (), set_values: Sequence[str] = ()
-) -> Path:
-    """The chart directory helm can render for these values (see the module docstring)."""
-    if dependency_vendored():
-        return CHART
-    if kuberay_enabled(values_files, set_values):
-        raise DependencyUnavailable(
-            "kuberay.enabled=true needs the kuberay-operator chart: run "
-            "`helm dependency build charts/vllm-dp-operator` (network access) first"
-        )
-    return _chart_without_kuberay()
-
-
 def helm(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run helm; raise AssertionError with its output on failure when `check`."""
     proc = subprocess.run(
@@ -145,7 +64,7 @@ def template_args(
     namespace: str = DEFAULT_NAMESPACE,
 ) -> list[str]:
     """Arguments after `helm template` / `helm install` for a chart, values and release."""
-    args = [release, str(renderable_chart(values_files, set_values)), f"--namespace={namespace}"]
+    args = [release, str(CHART), f"--namespace={namespace}"]
     args += [f"--values={p}" for p in values_files]
     args += [f"--set={s}" for s in set_values]
     return args

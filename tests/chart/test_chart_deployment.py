@@ -13,9 +13,10 @@ import yaml
 CI = {p.stem: p for p in chartlib.CI_VALUES}
 KOPF_ARGS = ["run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz",
              "-m", "vllm_dp_operator.handlers"]
-ENV_NAMES = ["VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME", "VLLMDP_HEALTH_PROBE",
-             "VLLMDP_HEALTH_TIMEOUT_SECONDS", "VLLMDP_RESYNC_SECONDS",
-             "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACE"]
+ENV_NAMES = ["VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME", "VLLMDP_ENGINE_FS_GROUP",
+             "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS", "VLLMDP_STOP_CONFIRM_SECONDS",
+             "VLLMDP_RESYNC_SECONDS", "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS",
+             "VLLMDP_WATCH_NAMESPACE"]
 
 
 def _deployment(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -112,7 +113,7 @@ def test_values_reach_the_environment(helm_bin: str, tmp_path: Path) -> None:
         "engineImage": "registry.example.com/engine:1",
         "healthProbe": {"mode": "off", "timeoutSeconds": 1.5},
         "resyncSeconds": 30, "backoff": {"baseSeconds": 2, "capSeconds": 64},
-        "socketIfname": "ens5"}))
+        "socketIfname": "ens5", "engineFsGroup": 3000, "stopConfirmSeconds": 90}))
     env = _env(_deployment((values,)))
     assert env["VLLMDP_ENGINE_IMAGE"] == "registry.example.com/engine:1"
     assert env["VLLMDP_HEALTH_PROBE"] == "off"
@@ -121,6 +122,8 @@ def test_values_reach_the_environment(helm_bin: str, tmp_path: Path) -> None:
     assert env["VLLMDP_BACKOFF_CAP_SECONDS"] == "64"
     assert env["VLLMDP_HEALTH_TIMEOUT_SECONDS"] == "1.5"
     assert env["VLLMDP_SOCKET_IFNAME"] == "ens5"
+    assert env["VLLMDP_ENGINE_FS_GROUP"] == "3000"
+    assert env["VLLMDP_STOP_CONFIRM_SECONDS"] == "90"
 
 
 def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
@@ -135,6 +138,8 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert float(env["VLLMDP_BACKOFF_BASE_SECONDS"]) == defaults.backoff_base_seconds
     assert float(env["VLLMDP_BACKOFF_CAP_SECONDS"]) == defaults.backoff_cap_seconds
     assert float(env["VLLMDP_HEALTH_TIMEOUT_SECONDS"]) == defaults.health_timeout_seconds
+    assert int(env["VLLMDP_ENGINE_FS_GROUP"]) == defaults.render.fs_group
+    assert float(env["VLLMDP_STOP_CONFIRM_SECONDS"]) == defaults.stop_confirm_seconds
 
 
 def test_image_and_pull_settings(helm_bin: str) -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import chartlib
 import pytest
+import yaml
 
 VALUES_CASES = [pytest.param((), id="defaults")] + [
     pytest.param((p,), id=p.stem) for p in chartlib.CI_VALUES
 ]
-MISSING_DEPENDENCY_WARNING = "chart directory is missing these dependencies: kuberay-operator"
 
 
 def test_ci_values_files_exist() -> None:
@@ -21,20 +21,9 @@ def test_ci_values_files_exist() -> None:
 
 
 @pytest.mark.parametrize("values", VALUES_CASES)
-def test_lint_chart_as_shipped(helm_bin: str, values: tuple[Path, ...]) -> None:
-    # The real chart directory: the only finding allowed beyond INFO is the missing optional
-    # KubeRay dependency (when it has not been vendored).
-    proc = chartlib.helm("lint", str(chartlib.CHART), *[f"--values={v}" for v in values])
-    findings = [ln for ln in proc.stdout.splitlines() if ln.startswith(("[WARNING]", "[ERROR]"))]
-    allowed = [] if chartlib.dependency_vendored() else [MISSING_DEPENDENCY_WARNING]
-    unexpected = [f for f in findings if not any(a in f for a in allowed)]
-    assert not unexpected, proc.stdout
-
-
-@pytest.mark.parametrize("values", VALUES_CASES)
-def test_lint_strict_renderable_chart(helm_bin: str, values: tuple[Path, ...]) -> None:
-    chart = chartlib.renderable_chart(values)
-    chartlib.helm("lint", "--strict", str(chart), *[f"--values={v}" for v in values])
+def test_lint_strict_chart_as_shipped(helm_bin: str, values: tuple[Path, ...]) -> None:
+    # The real chart directory, as the README's `helm install` uses it: no warnings at all.
+    chartlib.helm("lint", "--strict", str(chartlib.CHART), *[f"--values={v}" for v in values])
 
 
 @pytest.mark.parametrize("values", VALUES_CASES)
@@ -49,24 +38,12 @@ def test_template_renders_expected_kinds(helm_bin: str, values: tuple[Path, ...]
         assert labels.get("app.kubernetes.io/name") == "vllm-dp-operator", obj["metadata"]
 
 
-def test_unvendored_dependency_blocks_plain_template(helm_bin: str) -> None:
-    # Pins the Helm behaviour chartlib works around (and docs/install.md describes): if a
-    # future helm renders charts with a missing disabled dependency, drop the workaround.
-    if chartlib.dependency_vendored():
-        pytest.skip("kuberay-operator is vendored under charts/; nothing to pin")
-    proc = chartlib.helm("template", "x", str(chartlib.CHART), check=False)
-    assert proc.returncode != 0
-    assert "missing in charts/ directory: kuberay-operator" in proc.stderr
-
-
-def test_kuberay_enabled_needs_vendored_dependency(helm_bin: str) -> None:
-    if chartlib.dependency_vendored():
-        objects = chartlib.render(set_values=["kuberay.enabled=true"])
-        names = [o["metadata"]["name"] for o in chartlib.by_kind(objects, "Deployment")]
-        assert any("kuberay" in n for n in names), names
-    else:
-        with pytest.raises(chartlib.DependencyUnavailable):
-            chartlib.render(set_values=["kuberay.enabled=true"])
+def test_chart_has_no_dependencies_to_fetch(helm_bin: str) -> None:
+    # Helm refuses to template or install a chart whose declared dependency is missing from
+    # charts/, even a disabled one; KubeRay is installed with its own chart instead.
+    meta = yaml.safe_load((chartlib.CHART / "Chart.yaml").read_text())
+    assert "dependencies" not in meta
+    chartlib.helm("template", "x", str(chartlib.CHART))  # the plain directory renders
 
 
 @pytest.mark.parametrize(
@@ -79,6 +56,8 @@ def test_kuberay_enabled_needs_vendored_dependency(helm_bin: str) -> None:
         "nosuchkey=1",
         "image.pullPolicy=Sometimes",
         "extraEnv[0].name=VLLMDP_ENGINE_IMAGE",
+        "kuberay.enabled=true",
+        "stopConfirmSeconds=0",
     ],
 )
 def test_schema_rejects_bad_values(helm_bin: str, bad: str) -> None:

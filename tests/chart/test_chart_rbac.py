@@ -17,13 +17,16 @@ from chartlib import Grant
 REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
     [("vllmdp.io", "vllmdataparallels", v) for v in ("get", "list", "watch", "patch")]
     + [("vllmdp.io", "vllmdataparallels/status", v) for v in ("get", "patch")]
+    # blockOwnerDeletion on children, under OwnerReferencesPermissionEnforcement.
+    + [("vllmdp.io", "vllmdataparallels/finalizers", "update")]
     + [
         ("ray.io", r, v)
         for r in ("rayclusters", "rayjobs")
         for v in ("get", "list", "watch", "create", "patch", "delete")
     ]
     + [("", "services", v) for v in ("get", "list", "watch", "create", "patch", "delete")]
-    + [("", "pods", v) for v in ("get", "list", "watch")]
+    # Read, and label the head pod while its vLLM answers (the API Service selects it).
+    + [("", "pods", v) for v in ("get", "list", "watch", "patch")]
     + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]
 )
 # kopf 1.45 (kopf/_core/reactor/observation.py): watches CRDs always; lists/watches Namespaces
@@ -34,9 +37,14 @@ KOPF_CRDS: frozenset[tuple[str, str, str]] = frozenset(
 KOPF_NAMESPACES: frozenset[tuple[str, str, str]] = frozenset(
     ("", "namespaces", v) for v in ("list", "watch")
 )
-PROXY: frozenset[tuple[str, str, str]] = frozenset({("", "services/proxy", "get")})
+# GET /health and the Ray job API, POST a Ray job stop: apiserver-proxy mode only.
+PROXY: frozenset[tuple[str, str, str]] = frozenset(
+    {("", "services/proxy", "get"), ("", "services/proxy", "create")}
+)
 
-FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection", "update"}
+FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
+# `update` only where a finalizer subresource needs it; everything else is patched.
+UPDATE_ALLOWED = {("vllmdp.io", "vllmdataparallels/finalizers")}
 FORBIDDEN_RESOURCES = {"*", "secrets", "pods/exec", "pods/attach", "pods/portforward",
                        "serviceaccounts/token", "nodes", "configmaps"}
 
@@ -57,7 +65,9 @@ def test_no_wildcards_no_secrets_no_escalation(helm_bin: str, values: tuple[Path
     for g in _render(values):
         assert "*" not in (g.group, g.resource, g.verb), g
         assert g.verb not in FORBIDDEN_VERBS, g
+        assert g.verb != "update" or (g.group, g.resource) in UPDATE_ALLOWED, g
         assert g.resource not in FORBIDDEN_RESOURCES, g
+        assert (g.resource, g.verb) not in {("pods", "create"), ("pods", "delete")}, g
         assert g.group not in ("rbac.authorization.k8s.io", "apps", "batch"), g
 
 
@@ -84,7 +94,19 @@ def test_default_is_cluster_role_without_proxy_or_namespaces(helm_bin: str) -> N
     assert not (KOPF_NAMESPACES & triples)
 
 
-def test_apiserver_proxy_adds_only_services_proxy_get(helm_bin: str) -> None:
+@pytest.mark.parametrize("values", CASES)
+def test_cluster_role_and_role_grant_update_on_finalizers(
+    helm_bin: str, values: tuple[Path, ...]
+) -> None:
+    # Whichever scope renders the operator's rules, it may set blockOwnerDeletion.
+    gs = _render(values)
+    kinds = {g.kind for g in gs if (g.resource, g.verb) == ("vllmdataparallels/finalizers",
+                                                            "update")}  # fmt: skip
+    own = {g.kind for g in gs if g.resource == "rayjobs"}
+    assert kinds == own and kinds, (kinds, own)
+
+
+def test_apiserver_proxy_adds_only_services_proxy_get_and_create(helm_bin: str) -> None:
     base = _triples(_render())
     proxy = _triples(_render((CI["apiserver-proxy-values"],)))
     assert proxy - base == PROXY

@@ -21,11 +21,16 @@ OPERATOR_ENV = {
     "VLLMDP_BACKOFF_BASE_SECONDS": "2",
     "VLLMDP_BACKOFF_CAP_SECONDS": "8",
     "VLLMDP_HEALTH_TIMEOUT_SECONDS": "1",
+    # No Ray dashboard answers on kwok pods unless a test starts the job API double: give up
+    # confirming an undeliverable stop after 3 s, not a minute.
+    "VLLMDP_STOP_CONFIRM_SECONDS": "3",
 }
 
 
 def probe_mode(env: dict[str, str]) -> str:
     """apiserver-proxy where the test bed routes pod IPs into its own namespace, else off.
+
+    It decides how the operator reaches both vLLM's /health and the Ray job API.
 
     Without that pod network a proxied probe would send traffic to a pod IP off this machine.
     """

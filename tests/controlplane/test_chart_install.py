@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -93,11 +94,11 @@ def _get(testbed: RunningTestbed, *args: str) -> dict[str, Any] | None:
 def test_install_upgrade_uninstall(testbed: RunningTestbed, testbed_namespace: str,
                                    release: str) -> None:
     ns = testbed_namespace
-    chart = str(chartlib.renderable_chart())
+    chart = str(chartlib.CHART)
     full = f"{release}-vllm-dp-operator"
 
     out = _helm(testbed, "install", release, chart, f"--namespace={ns}").stdout
-    # NOTES.txt tells the user what to do next.
+    # NOTES.txt tells the user what to do next, KubeRay's own chart first.
     assert "kubectl apply" in out and "kuberay-operator" in out and "-api" in out, out
     testbed.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
 
@@ -127,7 +128,7 @@ def test_install_upgrade_uninstall(testbed: RunningTestbed, testbed_namespace: s
           f"--values={chartlib.CHART / 'ci' / 'apiserver-proxy-values.yaml'}")
     role = _get(testbed, "clusterrole", full)
     assert role is not None
-    assert any("services/proxy" in r["resources"] and r["verbs"] == ["get"]
+    assert any("services/proxy" in r["resources"] and r["verbs"] == ["get", "create"]
                for r in role["rules"])
     dep = _get(testbed, "deployment", full, "-n", ns)
     assert dep is not None
@@ -172,7 +173,7 @@ def test_helm_install_then_example_reaches_the_integration_state(
     """
     ns = testbed_namespace
     full = f"{release}-vllm-dp-operator"
-    _helm(testbed, "install", release, str(chartlib.renderable_chart()), f"--namespace={ns}",
+    _helm(testbed, "install", release, str(chartlib.CHART), f"--namespace={ns}",
           f"--values={chartlib.CHART / 'ci' / 'apiserver-proxy-values.yaml'}")
     dep = _get(testbed, "deployment", full, "-n", ns)
     assert dep is not None
@@ -203,3 +204,41 @@ def test_helm_install_then_example_reaches_the_integration_state(
         log.close()
     text = (tmp_path / "operator.log").read_text(errors="replace")
     assert "forbidden" not in text.lower(), text[-3000:]
+
+
+def _readme_helm_install() -> list[str]:
+    """The README's `helm install` line, split as a shell would split it."""
+    readme = (chartlib.REPO / "README.md").read_text()
+    lines = [ln.strip() for ln in readme.splitlines() if ln.strip().startswith("helm install ")]
+    assert len(lines) == 1, lines
+    assert not lines[0].endswith("\\"), "keep the README's helm install on one line"
+    return shlex.split(lines[0])
+
+
+def test_readme_helm_install_works_as_written(testbed: RunningTestbed) -> None:
+    """The README's line, from the repository root, installs the chart: no vendored
+    dependency, no placeholder to fill in. (It names its own release and namespace.)"""
+    argv = _readme_helm_install()
+    release, ns = argv[2], argv[argv.index("-n") + 1]
+    if _get(testbed, "namespace", ns) is not None:  # left over from an interrupted run
+        _helm(testbed, "uninstall", release, f"--namespace={ns}", "--wait", check=False)
+        testbed.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s")
+    env = {**os.environ, "KUBECONFIG": str(testbed.kubeconfig),
+           "HELM_CACHE_HOME": str(testbed.state_dir / "helm" / "cache"),
+           "HELM_CONFIG_HOME": str(testbed.state_dir / "helm" / "config"),
+           "HELM_DATA_HOME": str(testbed.state_dir / "helm" / "data")}
+    try:
+        proc = subprocess.run([chartlib.helm_binary(), *argv[1:]], cwd=chartlib.REPO, env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
+        assert "STATUS: deployed" in proc.stdout, proc.stdout
+        full = f"{release}-vllm-dp-operator"
+        assert _get(testbed, "deployment", full, "-n", ns) is not None
+        role = _get(testbed, "clusterrole", full)
+        assert role is not None
+        assert any("vllmdataparallels/finalizers" in r["resources"] and "update" in r["verbs"]
+                   for r in role["rules"])  # fmt: skip
+        testbed.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+    finally:
+        _helm(testbed, "uninstall", release, f"--namespace={ns}", "--wait", check=False)
+        testbed.kubectl("delete", "namespace", ns, "--wait=false", check=False)

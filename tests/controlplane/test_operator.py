@@ -2,89 +2,41 @@
 
 from __future__ import annotations
 
-import copy
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from operator_proc import OperatorProcess, install_crd
+from operator_proc import OperatorProcess
+from scenario import (
+    REPO,
+    apply,
+    example,
+    items,
+    launch_command,
+    ray_pods,
+    run_operator,
+    status,
+    wait_head_job,
+    wait_phase,
+)
 from vllm_dp_operator.plan import build_plan
 from vllm_dp_operator.validation import validate
 
 pytestmark = pytest.mark.controlplane
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def example(name: str) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / name).read_text())
-    return doc
-
 
 @pytest.fixture(scope="module")
 def operator(testbed: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    install_crd(testbed)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    proc = OperatorProcess(testbed.env(), log)
-    proc.start()
-    yield proc
-    proc.stop()
+    yield from run_operator(testbed, tmp_path_factory)
 
 
 @pytest.fixture
 def ns(testbed_namespace: str) -> str:
     """A fresh namespace per test (conftest's testbed_namespace), under a short name."""
     return testbed_namespace
-
-
-def apply(testbed: Any, ns: str, doc: dict[str, Any]) -> dict[str, Any]:
-    doc = copy.deepcopy(doc)
-    doc["metadata"]["namespace"] = ns
-    testbed.apply(doc)
-    return doc
-
-
-def vdp(testbed: Any, ns: str, name: str) -> dict[str, Any]:
-    obj: dict[str, Any] = testbed.kubectl_json("-n", ns, "get", "vdp", name)
-    return obj
-
-
-def status(testbed: Any, ns: str, name: str) -> dict[str, Any]:
-    st: dict[str, Any] = vdp(testbed, ns, name).get("status") or {}
-    return st
-
-
-def items(testbed: Any, ns: str, kind: str, selector: str = "") -> list[dict[str, Any]]:
-    args = ["-n", ns, "get", kind] + (["-l", selector] if selector else [])
-    found: list[dict[str, Any]] = testbed.kubectl_json(*args)["items"]
-    return found
-
-
-def ray_pods(testbed: Any, ns: str, cluster: str) -> list[dict[str, Any]]:
-    return items(testbed, ns, "pods", f"ray.io/cluster={cluster}")
-
-
-def wait_phase(testbed: Any, ns: str, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
-    st: dict[str, Any] = testbed.wait_until(
-        f"{name} phase {phase}",
-        lambda: (s := status(testbed, ns, name)).get("phase") == phase and s,
-        timeout=timeout,
-    )
-    return st
-
-
-def wait_head_job(testbed: Any, ns: str, name: str, job: str, timeout: float = 90) -> None:
-    testbed.wait_until(
-        f"head job {job}",
-        lambda: any(j["metadata"]["name"] == job for j in items(testbed, ns, "rayjobs")),
-        timeout=timeout,
-    )
-
 
 def test_example_becomes_cluster_pods_head_job_and_service(
     testbed: Any, operator: OperatorProcess, ns: str
@@ -103,11 +55,18 @@ def test_example_becomes_cluster_pods_head_job_and_service(
         assert pod["spec"].get("nodeName"), "every Ray pod is bound to a simulated GPU node"
         limits = pod["spec"]["containers"][0]["resources"]["limits"]
         assert int(limits["nvidia.com/gpu"]) == plan.gpus_per_pod
-    assert st["headJob"] == f"{name}-launch-1"
+    assert st["headJob"] == f"{name}-j00001"
     (job,) = items(testbed, ns, "rayjobs")
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster}
+    assert job["spec"]["submissionMode"] == "HTTPMode"
+    # KubeRay took it: no submitter Job, and no ValidationFailed.
+    testbed.wait_until("KubeRay to take the head job", lambda: (
+        items(testbed, ns, "rayjobs")[0].get("status") or {}).get("jobDeploymentStatus"))
+    assert items(testbed, ns, "rayjobs")[0]["status"]["jobDeploymentStatus"] != "ValidationFailed"
+    assert items(testbed, ns, "jobs.batch") == []
     (svc,) = items(testbed, ns, "services", "app.kubernetes.io/component=api")
-    assert svc["spec"]["selector"] == {"ray.io/cluster": cluster, "ray.io/node-type": "head"}
+    assert svc["spec"]["selector"] == {"ray.io/cluster": cluster, "ray.io/node-type": "head",
+                                       "vllmdp.io/serving": "true"}
     assert st["endpoint"] == f"http://{name}-api.{ns}.svc:8000/v1"
     conds = {c["type"]: c["status"] for c in st["conditions"]}
     assert conds["SpecValid"] == "True" and conds["ClusterReady"] == "True"
@@ -151,7 +110,7 @@ def test_engine_change_keeps_pods_and_shape_change_replaces_them(
         # Every head job left runs the new engine args, and the first one is gone.
         jobs = items(testbed, ns, "rayjobs")
         return bool(jobs) and all(
-            "--max-model-len" in j["spec"]["entrypoint"] and j["metadata"]["name"] != first_job
+            "--max-model-len" in launch_command(j) and j["metadata"]["name"] != first_job
             for j in jobs
         )
 
@@ -173,34 +132,6 @@ def test_engine_change_keeps_pods_and_shape_change_replaces_them(
             if not p["metadata"].get("deletionTimestamp")]
     assert len(pods) == new_plan.gpu_pods
     assert {p["metadata"]["labels"]["ray.io/cluster"] for p in pods} == {new_cluster}
-
-
-def test_failed_head_job_is_relaunched_with_backoff_and_warning(
-    testbed: Any, operator: OperatorProcess, ns: str
-) -> None:
-    """A head job fails through the real Job and RayJob controllers, and is relaunched.
-
-    The test bed runs no Ray dashboard, so after the submitter pod finishes KubeRay cannot
-    read the Ray job's status and fails the RayJob once its 30 s grace period is over
-    (JobDeploymentStatusTransitionGracePeriodExceeded): a real failure path, not a fake.
-    """
-    doc = apply(testbed, ns, example("fill.yaml"))
-    name = doc["metadata"]["name"]
-    wait_phase(testbed, ns, name, "Launching")
-    job = f"{name}-launch-1"
-    testbed.wait_until("the first head job to fail", lambda: any(
-        j["metadata"]["name"] == job and j.get("status", {}).get("jobDeploymentStatus") == "Failed"
-        for j in items(testbed, ns, "rayjobs")), timeout=120)
-    event = testbed.wait_until("a Warning event for the failed head job", lambda: next((
-        e for e in items(testbed, ns, "events")
-        if e.get("reason") == "HeadJobFailed" and e.get("type") == "Warning"), None))
-    assert job in event["message"] and "Failed" in event["message"]
-    st = status(testbed, ns, name)
-    assert st["consecutiveFailures"] >= 1 and st["lastFailedJob"] == job
-    wait_head_job(testbed, ns, name, f"{name}-launch-2", timeout=60)
-    st = status(testbed, ns, name)
-    assert st["launchAttempts"] >= 2
-    assert any(e.get("reason") == "HeadJobRelaunched" for e in items(testbed, ns, "events"))
 
 
 def test_delete_removes_every_child(testbed: Any, operator: OperatorProcess, ns: str) -> None:
@@ -231,6 +162,9 @@ INVALID = [
     ("engineArgs", {"engineArgs": ["--data-parallel-size", "4"]}),
     ("engineArgs", {"engineArgs": ["--port", "9000"]}),
     ("service.port", {"service": {"port": 8265}}),
+    ("service.port", {"service": {"port": 8080}}),
+    ("service.port", {"service": {"port": 52365}}),
+    ("service.port", {"service": {"port": 12345}}),
     ("resources.cpu", {"dataParallel": {"size": 8, "ranksPerNode": 4}, "resources": {"cpu": "2"}}),
     ("env", {"env": [{"name": "VLLM_PORT", "value": "1"}]}),
     ("env", {"env": [{"name": "HF_TOKEN", "value": "hf_xxx"}]}),
@@ -266,6 +200,34 @@ def test_name_too_long_rejected(testbed: Any, operator: OperatorProcess) -> None
     doc["metadata"] = {"name": "n" * 41, "namespace": "default"}
     proc = testbed.kubectl("create", "-f", "-", input=yaml.safe_dump(doc), check=False)
     assert proc.returncode != 0 and "metadata.name" in proc.stderr, proc.stderr
+    assert "at most 40 characters" in proc.stderr
+
+
+@pytest.mark.parametrize("bad", ["qwen2.5-dp8", "7b-dp"])
+def test_name_that_is_not_dns_1035_rejected(testbed: Any, operator: OperatorProcess,
+                                            bad: str) -> None:  # fmt: skip
+    doc = example("dp4-tp2.yaml")
+    doc["metadata"] = {"name": bad, "namespace": "default"}
+    proc = testbed.kubectl("create", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert proc.returncode != 0, f"accepted {bad}"
+    assert "metadata.name" in proc.stderr and "DNS-1035 label" in proc.stderr, proc.stderr
+
+
+def test_forty_character_name_gets_a_rayjob_kuberay_accepts(
+    testbed: Any, operator: OperatorProcess, ns: str
+) -> None:
+    name = ("q7b-dp8-" * 5)[:39] + "x"  # the longest name the CRD admits
+    assert len(name) == 40
+    doc = example("dp4-tp2.yaml")
+    doc["metadata"]["name"] = name
+    apply(testbed, ns, doc)
+    job = f"{name}-j00001"
+    assert len(job) == 47
+    wait_head_job(testbed, ns, name, job)
+    st = testbed.wait_until("KubeRay to take the 47-character RayJob", lambda: (
+        items(testbed, ns, "rayjobs")[0].get("status") or {}).get("jobDeploymentStatus"))
+    assert st != "ValidationFailed", items(testbed, ns, "rayjobs")[0]["status"]
+    assert not any(e.get("reason") == "ValidationFailed" for e in items(testbed, ns, "events"))
 
 
 def test_sigkill_mid_reconcile_then_restart_converges_without_duplicates(
@@ -286,33 +248,3 @@ def test_sigkill_mid_reconcile_then_restart_converges_without_duplicates(
         assert len(items(testbed, ns, "rayclusters", selector)) == 1
         assert len(items(testbed, ns, "rayjobs", selector)) == 1
         assert len(items(testbed, ns, "services", selector)) == 1
-
-
-def test_serving_once_health_answers_through_the_service(
-    testbed: Any, operator: OperatorProcess, ns: str
-) -> None:
-    """/health through the API server's service proxy, answered by a test host.
-
-    The test bed routes pod IPs into a network namespace of its own; a /health double runs
-    there, so the operator's real probe path (Service, endpoints, service proxy) is exercised.
-    """
-    net = testbed.info.get("pod_network")
-    if not net:
-        pytest.fail("the test bed has no pod network (needs root and iproute2)", pytrace=False)
-    doc = example("dp4-tp2.yaml")
-    doc["metadata"]["name"] = "serving"
-    apply(testbed, ns, doc)
-    wait_phase(testbed, ns, "serving", "Launching")
-    server = subprocess.Popen(["ip", "netns", "exec", net["netns"], sys.executable,
-                               str(REPO / "tests" / "doubles" / "health_server.py"),
-                               "--port", "8000"])  # fmt: skip
-    try:
-        st = wait_phase(testbed, ns, "serving", "Serving", timeout=60)
-        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
-        assert ready["status"] == "True" and "200" in ready["message"]
-        assert any(e.get("reason") == "EngineHealthy" for e in items(testbed, ns, "events"))
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-    st = wait_phase(testbed, ns, "serving", "Launching", timeout=60)
-    assert "not answering" in st["message"]

@@ -35,17 +35,18 @@ CI = {p.stem: p for p in chartlib.CI_VALUES}
 MUST_NAMESPACED = [
     *[(v, "vllmdataparallels.vllmdp.io", "") for v in ("get", "list", "watch", "patch")],
     *[(v, "vllmdataparallels.vllmdp.io", "status") for v in ("get", "patch")],
+    ("update", "vllmdataparallels.vllmdp.io", "finalizers"),
     *[(v, r, "") for r in ("rayclusters.ray.io", "rayjobs.ray.io")
       for v in ("get", "list", "watch", "create", "patch", "delete")],
     *[(v, "services", "") for v in ("get", "list", "watch", "create", "patch", "delete")],
-    *[(v, "pods", "") for v in ("get", "list", "watch")],
+    *[(v, "pods", "") for v in ("get", "list", "watch", "patch")],
     *[(v, r, "") for r in ("events", "events.events.k8s.io") for v in ("create", "patch")],
 ]
 # Never, in any mode.
 MUST_NOT_NAMESPACED = [
     ("get", "secrets", ""), ("list", "secrets", ""), ("watch", "secrets", ""),
     ("create", "secrets", ""), ("get", "configmaps", ""),
-    ("delete", "pods", ""), ("create", "pods", ""), ("patch", "pods", ""),
+    ("delete", "pods", ""), ("create", "pods", ""), ("update", "pods", ""),
     ("create", "pods", "exec"), ("get", "pods", "log"), ("create", "pods", "portforward"),
     ("create", "deployments.apps", ""), ("create", "jobs.batch", ""),
     ("update", "services", ""), ("deletecollection", "services", ""),
@@ -70,7 +71,7 @@ MUST_NOT_CLUSTER = [
 KOPF_CRDS = [("list", "customresourcedefinitions.apiextensions.k8s.io", ""),
              ("watch", "customresourcedefinitions.apiextensions.k8s.io", "")]
 KOPF_NAMESPACES = [("list", "namespaces", ""), ("watch", "namespaces", "")]
-PROXY = [("get", "services", "proxy")]
+PROXY = [("get", "services", "proxy"), ("create", "services", "proxy")]
 
 
 @dataclass

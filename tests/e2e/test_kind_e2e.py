@@ -217,7 +217,7 @@ def _helm_install_kuberay(c: Cluster) -> None:
 def _install_operator(c: Cluster) -> None:
     repo, _, tag = OPERATOR_IMAGE.rpartition(":")
     engine = ENGINE_IMAGE if REAL else DOUBLE_IMAGE
-    c.helm("upgrade", "--install", f"{NAME}-op", str(chartlib.renderable_chart()),
+    c.helm("upgrade", "--install", f"{NAME}-op", str(chartlib.CHART),
            f"--namespace={OPERATOR_NS}", "--create-namespace",
            f"--set=image.repository={repo}", f"--set=image.tag={tag}",
            f"--set=image.pullPolicy={'IfNotPresent' if REAL else 'Never'}",

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from ray_netblock import NodeCgroup
 from ray_testbed import HEAD_IP, RayTestbed
+from vllm_dp_launcher import stages
 
 DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
 GPUS_PER_NODE = 4
@@ -101,9 +102,11 @@ class LauncherRun:
 
     def records(self) -> list[dict[str, Any]]:
         """The engine double's events so far."""
-        if not self.record_path.exists():
-            return []
-        return [json.loads(line) for line in self.record_path.read_text().splitlines() if line]
+        return read_records(self.record_path)
+
+    def stages(self) -> list[str]:
+        """The launcher's stage names in its log, in order."""
+        return [line.name for line in stages.parse_stage_lines(self.log())]
 
     def wait_for(self, check: Callable[[], bool], what: str, timeout: float = 30) -> None:
         """Wait until ``check()`` holds; fail with the launcher's log otherwise."""
@@ -128,3 +131,55 @@ class LauncherRun:
         finally:
             if self.process.poll() is None:
                 self.process.kill()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The engine double's events recorded in ``path`` so far."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@dataclass
+class JobRun:
+    """A launcher submitted as a Ray job, and the engine double's record."""
+
+    client: Any  # ray.job_submission.JobSubmissionClient
+    submission_id: str
+    entrypoint: str
+    record_path: Path
+
+    def status(self) -> Any:
+        """The Ray job's status (a JobStatus)."""
+        return self.client.get_job_status(self.submission_id)
+
+    def logs(self) -> str:
+        """The job's log: the entrypoint's output, launcher lines included."""
+        return str(self.client.get_job_logs(self.submission_id))
+
+    def stages(self) -> list[str]:
+        """The launcher's stage names in the job log, in order."""
+        return [line.name for line in stages.parse_stage_lines(self.logs())]
+
+    def records(self) -> list[dict[str, Any]]:
+        """The engine double's events so far."""
+        return read_records(self.record_path)
+
+    def wait_for(self, check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+        """Wait until ``check()`` holds; fail with the job's status and log otherwise."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check():
+                return
+            time.sleep(0.2)
+        pytest.fail(f"never saw {what}; job {self.status()}\n{self.logs()}")
+
+    def wait_for_record(self, event: str, timeout: float = 60) -> dict[str, Any]:
+        """Wait for the engine double to record ``event``; return it."""
+        self.wait_for(lambda: any(r["event"] == event for r in self.records()), event, timeout)
+        return next(r for r in self.records() if r["event"] == event)
+
+    def wait_status(self, statuses: set[str], timeout: float = 60) -> str:
+        """Wait until the job's status is one of ``statuses``; return it."""
+        self.wait_for(lambda: str(self.status().value) in statuses, f"status {statuses}", timeout)
+        return str(self.status().value)

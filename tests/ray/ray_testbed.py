@@ -20,8 +20,15 @@ from pathlib import Path
 HEAD_IP = "127.0.0.2"
 PORTS_PER_NODE = 100
 CANDIDATE_BASES = range(24000, 32000, 1000)
+# Ray's job supervisor (on the head) SIGKILLs a stopping job this long after its SIGTERM; the
+# operator sets it on the Ray pods to the drain grace (Ray's default is 3 s).
+STOP_WAIT_S = 8
 # RAY_health_check_* make the head notice a stopped node in about 1.5 s instead of about 13 s.
-HEAD_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
+HEAD_ENV = {
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S),
+}
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -106,6 +113,11 @@ class RayTestbed:
         """The head's GCS address (what RAY_ADDRESS points to)."""
         return f"{HEAD_IP}:{self.port_base}"
 
+    @property
+    def dashboard_url(self) -> str:
+        """The head's dashboard: Ray's job API and state API, as KubeRay's head serves them."""
+        return f"http://{HEAD_IP}:{self.port_base + 7}"
+
     def _ports(self, slot: int) -> list[str]:
         """Return the fixed-port flags for the node in ``slot`` (0 = head)."""
         b = self.port_base + slot * PORTS_PER_NODE
@@ -141,7 +153,8 @@ class RayTestbed:
             args += [
                 "--head",
                 f"--port={self.port_base}",
-                "--include-dashboard=false",
+                # As on a KubeRay head: jobs are submitted, and GPU holders listed, through it.
+                "--include-dashboard=true",
                 f"--dashboard-host={HEAD_IP}",
                 f"--dashboard-port={self.port_base + 7}",
                 f"--ray-client-server-port={self.port_base + 8}",
@@ -193,6 +206,23 @@ class RayTestbed:
                     return
             time.sleep(0.5)
         raise TimeoutError(f"Ray nodes alive: {seen}, wanted {sorted(ips)}")
+
+    def wait_dashboard(self, timeout: float = 60.0) -> None:
+        """Wait until the head's dashboard answers (its job API is then usable)."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        error: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=5):
+                    return
+            except OSError as exc:
+                error = exc
+            time.sleep(0.5)
+        head_log = self.root / "n0" / "session_latest" / "logs" / "dashboard.log"
+        tail = head_log.read_text(errors="replace")[-3000:] if head_log.exists() else "(no log)"
+        raise TimeoutError(f"dashboard {self.dashboard_url} not up: {error}\n{tail}")
 
     def stop_node(self, node: RayNode) -> None:
         """Stop one node and forget it."""

@@ -19,16 +19,18 @@ from ray_harness import (
     LATE_IP,
     WORKER_IPS,
     Cluster,
+    JobRun,
     LauncherRun,
     make_plan,
 )
-from ray_testbed import HEAD_IP, ephemeral_port_range
+from ray_testbed import HEAD_IP, STOP_WAIT_S, ephemeral_port_range
 
 pytest.importorskip("ray")
 pytest.importorskip("zmq")
 pytestmark = pytest.mark.ray
 
 StartLauncher = Callable[..., LauncherRun]
+SubmitJob = Callable[..., JobRun]
 
 
 def _http(port: int, method: str, path: str) -> int:
@@ -49,6 +51,7 @@ def test_engine_gets_plan_command_and_own_node_ip(start_launcher: StartLauncher)
     plan = make_plan(pods=3)
     run = start_launcher(plan)
     start = _engine_started(run)
+    run.wait_for(lambda: "stage=serving" in run.log(), "stage=serving")
 
     assert start["argv"] == [*plan["command"][1:], "--data-parallel-address", HEAD_IP]
     env = start["env"]
@@ -62,17 +65,37 @@ def test_engine_gets_plan_command_and_own_node_ip(start_launcher: StartLauncher)
 
     assert _http(plan["port"], "POST", "/exit?code=5") == 200
     assert run.finish() == 5
+    assert run.stages() == [
+        "connecting", "waiting-for-cluster", "preflight", "engine-starting", "serving", "exited",
+    ]  # fmt: skip
 
 
 def test_engine_exit_status_is_the_launchers(start_launcher: StartLauncher) -> None:
     """An engine that exits 3 makes the launcher exit 3; one killed by SIGKILL gives 137."""
     failing = start_launcher(make_plan(pods=3), VLLMDP_DOUBLE_EXIT_CODE="3")
     assert failing.finish() == 3
+    assert "stage=exited status=3 cause=engine-ended engine_status=3" in failing.log()
 
     killed = start_launcher(make_plan(pods=3))
     pid = _engine_started(killed)["pid"]
     os.kill(pid, signal.SIGKILL)
     assert killed.finish() == 128 + signal.SIGKILL
+
+
+def test_engine_ending_on_its_own_with_status_0_fails_the_launch(
+    start_launcher: StartLauncher,
+) -> None:
+    """vLLM exits 0 after an engine died (vllm#48966): with no stop forwarded, that is 6."""
+    plan = make_plan(pods=3)
+    run = start_launcher(plan)
+    _engine_started(run)
+
+    assert _http(plan["port"], "POST", "/exit?code=0") == 200
+
+    assert run.finish() == 6
+    log = run.log()
+    assert "vllm serve exited with status 0 although no stop signal was forwarded" in log
+    assert "stage=exited status=6 cause=engine-ended engine_status=0" in log
 
 
 def test_sigterm_to_launcher_reaches_engine(start_launcher: StartLauncher) -> None:
@@ -85,8 +108,11 @@ def test_sigterm_to_launcher_reaches_engine(start_launcher: StartLauncher) -> No
     run.process.send_signal(signal.SIGTERM)
 
     assert run.finish() == 7
-    assert {"event": "signal", "signal": "SIGTERM"} in run.records()
-    assert "forwarding SIGTERM to the engine" in run.log()
+    assert [r["signal"] for r in run.records() if r["event"] == "signal"] == ["SIGTERM"]
+    log = run.log()
+    assert "forwarding SIGTERM to the engine" in log
+    assert "stage=draining signal=SIGTERM grace=none" in log
+    assert "stage=exited status=7 cause=stopped engine_status=7" in log
 
 
 def test_too_few_gpu_nodes_fails_within_deadline(start_launcher: StartLauncher) -> None:
@@ -135,8 +161,8 @@ def test_worker_joining_late_is_waited_for(
         log = run.log()
         assert "Ray cluster ready: 4/4 GPU nodes, 16/16 GPUs" in log
         assert "network preflight passed: 4 GPU node(s)" in log
-        _http(plan["port"], "POST", "/exit?code=0")
-        assert run.finish() == 0
+        _http(plan["port"], "POST", "/exit?code=5")
+        assert run.finish() == 5
     finally:
         testbed.stop_node(late)
         testbed.wait_alive(ray_cluster.ips)  # later tests see the three session nodes again
@@ -159,18 +185,18 @@ def test_preflight_names_the_node_that_cannot_connect(
         pytest.skip(f"cannot cut a node off on this machine: {ray_cluster.cgroup_unavailable}")
     with ray_cluster.cgroup.blocked(HEAD_IP, ephemeral_port_range()):
         started = time.monotonic()
-        run = start_launcher(make_plan(pods=3, preflight=6))
+        run = start_launcher(make_plan(pods=3, preflight=10))
         status = run.finish(timeout=40)
         elapsed = time.monotonic() - started
 
     log = run.log()
     assert status == 4, log
-    assert elapsed < 6 + 10, log
+    assert elapsed < 10 + 10, log
     assert "network preflight failed: 1 of 3 GPU node(s)" in log
     failure = log[log.index("network preflight failed") :]
-    assert f"{BLOCKABLE_IP} (node " in failure
-    assert "127.0.0.3 (node " not in failure
-    assert "Connection refused" in failure
+    assert f"{BLOCKABLE_IP} (node " in failure, log
+    assert "127.0.0.3 (node " not in failure, log
+    assert "Connection refused" in failure, log
     assert run.records() == []
 
 
@@ -193,3 +219,85 @@ def test_dry_run_takes_the_address_from_ray(ray_cluster: Cluster) -> None:
     assert report["dataParallelAddressSource"] == "ray"
     assert report["command"] == [*plan["command"], "--data-parallel-address", HEAD_IP]
     assert report["env"]["VLLM_HOST_IP"] == HEAD_IP
+
+
+def test_stale_driver_holding_gpus_fails_a_new_launch_at_once(
+    submit_job: SubmitJob, start_launcher: StartLauncher
+) -> None:
+    """An old head job never stopped keeps vLLM's placement groups: a new launch fails at once.
+
+    The old job is a real Ray job (submitted through the head's job API, as KubeRay's
+    HTTPMode does) whose engine double places one GPU placement group per DP rank, as vLLM's
+    Ray backend does, and keeps them. Without the free-GPU gate the new launch would pass the
+    total-GPU gate and its engine would wait in placement forever.
+    """
+    plan = make_plan(pods=3)
+    stale = submit_job(plan, VLLMDP_DOUBLE_PLACE="1")
+    placed = stale.wait_for_record("placed", timeout=90)
+    assert placed["gpus"] == 12
+
+    started = time.monotonic()
+    run = start_launcher(make_plan(pods=3, wait=120), VLLMDP_DOUBLE_PLACE="1")
+    status = run.finish(timeout=60)
+    elapsed = time.monotonic() - started
+
+    log = run.log()
+    assert status == 5, log
+    assert elapsed < 30, f"took {elapsed:.0f}s, not at once; {log}"
+    assert "12 of the cluster's 12 GPU(s) are in use" in log
+    assert f"(submission '{stale.submission_id}', driver running as pid " in log
+    assert "holds 12 GPU(s) on 127.0.0.2, 127.0.0.3, 127.0.0.4" in log
+    assert "placement group(s) dp_rank_0, dp_rank_1, dp_rank_2, dp_rank_3 and 8 more" in log
+    assert "stage=exited status=5 cause=gpus-held" in log
+    assert run.records() == [], "the new engine must not start"
+
+    # Stopping the old job for real (and confirming it) frees the GPUs for the next launch.
+    stale.client.stop_job(stale.submission_id)
+    assert stale.wait_status({"STOPPED"}, timeout=30) == "STOPPED"
+    again = start_launcher(make_plan(pods=3, wait=60), VLLMDP_DOUBLE_PLACE="1")
+    assert again.wait_for_record("placed", timeout=90)["gpus"] == 12
+    again.wait_for_record("listening")  # its own SIGTERM handler is back (ray.init took it)
+    again.process.send_signal(signal.SIGTERM)
+    assert again.finish() == 0
+
+
+def test_ray_job_stop_gives_the_engine_its_drain_and_the_plan_arrives_intact(
+    submit_job: SubmitJob,
+) -> None:
+    """The operator's entrypoint as a real Ray job: shell-hostile values arrive byte for byte,
+    the stages are printed, and a job stop lets the engine drain past Ray's 3 s default.
+
+    Ray's job supervisor runs the entrypoint with /bin/sh -c and, on stop, SIGTERMs the
+    launcher and the engine, then SIGKILLs them RAY_JOB_STOP_WAIT_TIME_S later (the head
+    was started with it set, as the operator sets it on the Ray pods).
+    """
+    hostile = "$HOME;`id`(é模型) && echo 'x' \"y\""
+    plan = make_plan(pods=3)
+    plan["command"] += ["--served-model-name", hostile]
+    plan["env"]["VDP_ODD_VALUE"] = hostile
+    plan["drainGraceSeconds"] = STOP_WAIT_S
+    job = submit_job(plan, VLLMDP_DOUBLE_TERM_DELAY="4")
+
+    start = job.wait_for_record("start")
+    assert start["argv"] == [*plan["command"][1:], "--data-parallel-address", HEAD_IP]
+    assert start["env"]["VDP_ODD_VALUE"] == hostile
+    job.wait_for(lambda: "stage=serving" in job.logs(), "stage=serving")
+
+    job.client.stop_job(job.submission_id)
+    assert job.wait_status({"STOPPED", "FAILED", "SUCCEEDED"}, timeout=30) == "STOPPED"
+
+    records = job.records()
+    signals = [r for r in records if r["event"] == "signal"]
+    exits = [r for r in records if r["event"] == "exit"]
+    assert signals and signals[0]["signal"] == "SIGTERM", records
+    assert exits == [{"event": "exit", "t": exits[0]["t"], "code": 0}], "not SIGKILLed"
+    drained = exits[0]["t"] - signals[0]["t"]
+    assert 3.5 < drained < STOP_WAIT_S, drained
+    log = job.logs()
+    assert f"a Ray job stop gives vllm serve {STOP_WAIT_S}s to exit" in log
+    assert f"stage=draining signal=SIGTERM grace={STOP_WAIT_S}" in log
+    assert "stage=exited status=0 cause=stopped engine_status=0" in log
+    assert job.stages() == [
+        "connecting", "waiting-for-cluster", "preflight", "engine-starting", "serving",
+        "draining", "exited",
+    ]  # fmt: skip

@@ -9,9 +9,12 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
-from vllm_dp_operator.kube import AlreadyExists, Kind
+from vllm_dp_operator.kube import AlreadyExists, Kind, NamespaceTerminating
+from vllm_dp_operator.status import rfc3339
 
 _uids = itertools.count(1)
 
@@ -38,9 +41,14 @@ def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
 class FakeKube:
     """Implements the Kube protocol over a dict; counts every call by verb."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], datetime] | None = None) -> None:
         self.objects: dict[tuple[Kind, str, str], dict[str, Any]] = {}
         self.calls: Counter[str] = Counter()
+        #: Every write, in order: (verb, kind plural, name).
+        self.writes: list[tuple[str, str, str]] = []
+        self.clock = clock or (lambda: datetime(2026, 1, 1, tzinfo=UTC))
+        #: Namespaces the API server treats as being deleted: creates there are refused.
+        self.terminating: set[str] = set()
 
     def named(self, kind: Kind, namespace: str = "default") -> list[dict[str, Any]]:
         """Every stored object of a kind, by name order."""
@@ -64,12 +72,16 @@ class FakeKube:
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls["create"] += 1
+        if namespace in self.terminating:
+            raise NamespaceTerminating(namespace)
         key = (kind, namespace, body["metadata"]["name"])
         if key in self.objects:
             raise AlreadyExists(key[2])
         obj = copy.deepcopy(body)
         obj["metadata"]["uid"] = f"uid-{next(_uids)}"
+        obj["metadata"]["creationTimestamp"] = rfc3339(self.clock())
         self.objects[key] = obj
+        self.writes.append(("create", kind.plural, key[2]))
         return copy.deepcopy(obj)
 
     async def patch(
@@ -78,8 +90,10 @@ class FakeKube:
         self.calls["patch"] += 1
         obj = self.objects[(kind, namespace, name)]
         _merge(obj, body)
+        self.writes.append(("patch", kind.plural, name))
         return copy.deepcopy(obj)
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> None:
         self.calls["delete"] += 1
-        self.objects.pop((kind, namespace, name), None)
+        if self.objects.pop((kind, namespace, name), None) is not None:
+            self.writes.append(("delete", kind.plural, name))

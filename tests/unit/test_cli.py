@@ -66,6 +66,26 @@ def test_plan_every_example(example: Path, capsys: pytest.CaptureFixture[str]) -
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
         (str(p.index), p.role, p.ranks_text(), f"{p.gpus}/{plan.gpus_per_pod}") for p in plan.pods
     ]
+    # The API-server count is a plan value, and the head pod is sized for it.
+    servers = doc["spec"].get("apiServerCount") or doc["spec"]["dataParallel"]["size"]
+    assert f"api servers: {servers} on the head pod" in out
+    assert f"--api-server-count {servers}" in out
+    head = f"head pod:    cpu {plan.head_cpu or 'unset'}, memory {plan.head_memory or 'unset'}"
+    assert head in out
+
+
+def test_plan_shows_the_head_sized_for_its_api_servers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = yaml.safe_load((REPO / "examples" / "dp8-rpn4-tp1.yaml").read_text())
+    doc["spec"]["resources"] = {"cpu": "8", "memory": "64Gi"}
+    doc["spec"]["apiServerCount"] = 3
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    code, out, _ = run(capsys, "plan", "-f", str(path))
+    assert code == 0
+    assert "api servers: 3 on the head pod" in out
+    assert "head pod:    cpu 11, memory 70Gi" in out  # 8 + 3x1 CPU, 64Gi + 3x2Gi
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
@@ -82,7 +102,10 @@ def test_render_every_example(example: Path, capsys: pytest.CaptureFixture[str])
     cluster, service, job = docs
     assert service["spec"]["selector"]["ray.io/cluster"] == cluster["metadata"]["name"]
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
-    assert job["metadata"]["name"] == f"{name}-launch-1"
+    assert job["metadata"]["name"] == f"{name}-j00001"
+    # HTTPMode: the dashboard API takes the job; no submitter pod follows its logs.
+    assert job["spec"]["submissionMode"] == "HTTPMode"
+    assert "submitterPodTemplate" not in job["spec"] and "submitterConfig" not in job["spec"]
 
 
 def test_render_json_is_a_list(capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,3 +42,16 @@ def test_engine_dockerfile_pins_vllm_and_ray() -> None:
     assert "ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0" in text
     assert "ARG RAY_VERSION=2.60.0" in text
     assert re.search(r"^USER [1-9]\d*$", text, re.MULTILINE)
+
+
+def test_engine_dockerfile_documents_the_entrypoint_and_checks_the_state_api() -> None:
+    """The documented entrypoint is the base64 contract; the build imports what the launcher uses.
+
+    The launcher names GPU holders through Ray's state API (ray[default]); a build without it
+    would fail only at the first stale driver, so the image build checks the import.
+    """
+    text = DOCKERFILE.read_text()
+    assert "python -m vllm_dp_launcher --plan-b64 " in text
+    assert "--plan '" not in text
+    assert '"ray[default]==${RAY_VERSION}"' in text
+    assert re.search(r"python -c \"import ray, ray\.util\.state, zmq, vllm_dp_launcher\.cli;", text)

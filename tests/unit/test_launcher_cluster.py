@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -16,7 +17,8 @@ from vllm_dp_launcher.cluster import (
     layout_problems,
     wait_for_cluster,
 )
-from vllm_dp_launcher.errors import ClusterNotReadyError
+from vllm_dp_launcher.errors import ClusterNotReadyError, GpusHeldError
+from vllm_dp_launcher.holders import GpuHolder, HolderReport
 from vllm_dp_launcher.plan import LaunchPlan, parse_plan
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "engine_image" / "example-plan.json"
@@ -76,7 +78,7 @@ def test_wait_returns_once_the_late_worker_joins(caplog: pytest.LogCaptureFixtur
         )  # fmt: skip
 
     assert result == [HEAD, WORKER]
-    progress = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]
     assert progress == ["waiting for the Ray cluster: 1/2 GPU nodes, 4/8 GPUs"] * 3  # 0, 10, 20 s
     assert caplog.records[-1].getMessage() == "Ray cluster ready: 2/2 GPU nodes, 8/8 GPUs"
 
@@ -149,3 +151,85 @@ def test_span_needs_identical_nodes() -> None:
         "GPU node 10.0.0.3 (node cccccccc, 8 GPUs) must hold exactly 4 GPUs for packStrategy span"
     ]
     assert "must hold exactly 4 GPUs" in layout_problems(p, [big, WORKER], big.ip)[0]
+
+
+# Available GPUs: a stale driver holding them must fail the launch, not hang vLLM's placement.
+def busy(node: GpuNode, free: float) -> GpuNode:
+    """The node with only ``free`` of its GPUs available."""
+    return GpuNode(node.node_id, node.ip, node.gpus, free_gpus=free)
+
+
+LIVE = GpuHolder("02000000", 8, ("10.0.0.1", "10.0.0.2"), ("dp_rank_0", "dp_rank_1"),
+                 submission_id="old-1", driver_alive=True)  # fmt: skip
+
+
+def test_gpu_nodes_reads_available_gpus() -> None:
+    """Free GPUs come from available_resources_per_node, keyed by node id."""
+    raw = [{"NodeID": "n1", "Alive": True, "NodeManagerAddress": "10.0.0.1",
+            "Resources": {"GPU": 4.0}}]  # fmt: skip
+    (node,) = gpu_nodes(raw, {"n1": {"GPU": 1.0, "CPU": 2.0}})
+    assert (node.free_gpus, node.busy_gpus) == (1.0, 3.0)
+    assert node.describe() == "10.0.0.1 (node n1, 4 GPUs, 3 in use)"
+    (unknown,) = gpu_nodes(raw, {})
+    assert unknown.busy_gpus == 4.0
+
+
+def test_gpus_held_by_a_live_job_fail_at_once() -> None:
+    """All nodes joined, GPUs held by a running job: GpusHeldError at time 0, naming it."""
+    clock = FakeClock()
+    with pytest.raises(GpusHeldError) as err:
+        wait_for_cluster(
+            plan(), lambda: [busy(HEAD, 0), busy(WORKER, 0)], HEAD.ip, timeout=600,
+            progress_interval=10, find_holders=lambda: HolderReport((LIVE,)),
+            sleep=clock.sleep, clock=lambda: clock.now,
+        )  # fmt: skip
+    assert clock.now == 0
+    assert err.value.exit_status == 5
+    message = str(err.value)
+    assert message.startswith("8 of the cluster's 8 GPU(s) are in use, and vLLM's placement")
+    assert "Ray job 02000000 (submission 'old-1', driver running) holds 8 GPU(s)" in message
+    assert "ray job stop" in message
+
+
+def test_gpus_being_released_are_waited_for(caplog: pytest.LogCaptureFixture) -> None:
+    """Held by a job that has ended (release under way): wait, then go once they are free."""
+    clock = FakeClock()
+    ended = HolderReport((dataclasses.replace(LIVE, driver_alive=False),))
+
+    def nodes() -> list[GpuNode]:
+        return [HEAD, WORKER] if clock.now >= 3 else [busy(HEAD, 0), WORKER]
+
+    with caplog.at_level(logging.INFO):
+        result = wait_for_cluster(
+            plan(), nodes, HEAD.ip, timeout=60, progress_interval=10,
+            find_holders=lambda: ended, sleep=clock.sleep, clock=lambda: clock.now,
+        )  # fmt: skip
+    assert result == [HEAD, WORKER]
+    assert clock.now == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert "stage=waiting-for-free-gpus nodes=2/2 gpus=8/8 busy=4" in messages
+    assert any(m.startswith("waiting for GPUs to be released: 2/2 GPU nodes, 8/8 GPUs, 4 in use")
+               for m in messages)  # fmt: skip
+
+
+def test_gpus_never_released_time_out_naming_what_is_known() -> None:
+    """Unknown holders (state API down) are waited for until the deadline, then reported."""
+    clock = FakeClock()
+    with pytest.raises(GpusHeldError) as err:
+        wait_for_cluster(
+            plan(), lambda: [busy(HEAD, 2), WORKER], HEAD.ip, timeout=20, progress_interval=10,
+            find_holders=lambda: HolderReport(error="Ray's state API: refused"),
+            sleep=clock.sleep, clock=lambda: clock.now,
+        )  # fmt: skip
+    assert clock.now == pytest.approx(20)
+    assert str(err.value).startswith(
+        "timed out after 20s waiting for GPUs to be released: 2 of the cluster's 8 GPU(s)"
+    )
+    assert "the holders could not be listed (Ray's state API: refused)" in str(err.value)
+
+
+def test_wait_enters_its_stage_first(caplog: pytest.LogCaptureFixture) -> None:
+    """stage=waiting-for-cluster is printed even when the cluster is already complete."""
+    with caplog.at_level(logging.INFO):
+        wait_for_cluster(plan(), lambda: [HEAD, WORKER], HEAD.ip, timeout=5, progress_interval=1)
+    assert caplog.records[0].getMessage() == "stage=waiting-for-cluster nodes=2 gpus=8 timeout=5"

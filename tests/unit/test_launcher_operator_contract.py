@@ -1,9 +1,11 @@
 """The operator's rendered head job, read by the launcher: one contract, checked from both ends.
 
 Every example is rendered with the operator's CLI (`vllm-dp render -o json`, in process); the RayJob
-entrypoint must be `python -m vllm_dp_launcher --plan '<JSON>'`, the launcher must parse
-that plan, and a Ray cluster shaped as the plan says (gpuPods nodes of gpusPerPod GPUs) must
-pass the launcher's own wait and layout checks.
+entrypoint must be `python -m vllm_dp_launcher --plan-b64 <B64>` (from
+`vllm_dp_launcher.plan.head_job_entrypoint`), the launcher must parse that plan,
+run through `/bin/sh -c` it must print the operator's argv, and a Ray cluster shaped as the
+plan says (gpuPods nodes of gpusPerPod GPUs) must pass the launcher's own wait and layout
+checks.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def test_rendered_plan_is_accepted_by_the_launcher(
 ) -> None:
     """Entrypoint shape, plan parsing, dry-run command, and the cluster checks all agree."""
     argv = shlex.split(head_job_entrypoint(example, capsys))
-    assert argv[:3] == ["python", "-m", "vllm_dp_launcher"]
+    assert argv[:4] == ["python", "-m", "vllm_dp_launcher", "--plan-b64"]
     plan = read_plan(build_parser().parse_args(argv[3:]))
 
     nodes = [
@@ -79,3 +81,31 @@ def test_render_and_launcher_dry_run_agree_on_the_command(
     report = json.loads(proc.stdout)
     assert report["command"] == [*want.command, "--data-parallel-address", "10.1.2.3"]
     assert {k: report["env"][k] for k, _ in want.env} == dict(want.env)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_rendered_entrypoint_runs_through_sh_as_ray_runs_it(
+    example: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The entrypoint string, run by ``/bin/sh -c`` as Ray's job supervisor does, with
+    ``--dry-run`` appended, prints exactly the operator plan's argv."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from vllm_dp_operator.plan import build_plan
+    from vllm_dp_operator.validation import validate
+
+    doc = yaml.safe_load(example.read_text())
+    want = build_plan(validate(doc["metadata"]["name"], doc["spec"]))
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(
+        ["/bin/sh", "-c", head_job_entrypoint(example, capsys) + " --dry-run --node-ip 10.1.2.3"],
+        capture_output=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
+    report = json.loads(proc.stdout.decode("utf-8"))
+    assert report["command"] == [*want.command, "--data-parallel-address", "10.1.2.3"]

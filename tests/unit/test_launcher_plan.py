@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_dp_launcher.errors import PlanError
-from vllm_dp_launcher.plan import load_plan, parse_plan
+from vllm_dp_launcher.plan import (
+    LaunchPlan,
+    PodPlan,
+    decode_plan,
+    encode_plan,
+    load_plan,
+    parse_plan,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "engine_image" / "example-plan.json"
 
@@ -140,3 +151,99 @@ def test_invalid_json_is_a_plan_error() -> None:
         load_plan("{")
     with pytest.raises(PlanError, match="must be a JSON object"):
         load_plan("[]")
+
+
+# One definition of the plan: the operator builds a LaunchPlan and calls to_json_dict().
+TEXT = ["a", "Qwen/Qwen2.5-7B", "$HOME", "`id`", "a;b", "(x)", "é模型🚀", "", " ", "\\", '"']
+
+
+def random_plan(rng: random.Random) -> LaunchPlan:
+    """A valid plan with random shape, strings and optional fields."""
+    gpus_per_pod = rng.randint(1, 8)
+    pods = rng.randint(1, 5)
+    strategy = rng.choice(["strict", "fill", "span"])
+    word = lambda: "".join(rng.choice(TEXT) for _ in range(rng.randint(1, 4))) or "x"  # noqa: E731
+    return LaunchPlan(
+        version=1,
+        model=word(),
+        data_parallel_size=rng.randint(1, 64),
+        ranks_per_node=rng.randint(1, 8),
+        tensor_parallel_size=rng.randint(1, 8),
+        pack_strategy=strategy,
+        gpu_pods=pods,
+        gpus_per_pod=gpus_per_pod,
+        total_gpus=pods * gpus_per_pod,
+        pods=[
+            PodPlan(
+                i,
+                "head" if i == 0 else "worker",
+                list(range(i, i + rng.randint(0, 3))),
+                rng.randint(1, gpus_per_pod),
+            )
+            for i in range(pods)
+        ],
+        port=rng.randint(1, 65535),
+        command=["vllm", "serve", *(word() for _ in range(rng.randint(0, 6)))],
+        env={word(): word() for _ in range(rng.randint(0, 4))},
+        wait_timeout_seconds=rng.choice([900, 0.5, 60.0]),
+        preflight_timeout_seconds=rng.choice([30, 2.5]),
+        drain_grace_seconds=rng.choice([None, 30, 7.5]),
+    )
+
+
+def test_round_trip_is_the_identity_for_any_valid_plan() -> None:
+    """parse_plan(p.to_json_dict()) == p, and through the base64 transport, for 500 plans."""
+    rng = random.Random(20260801)
+    for _ in range(500):
+        plan = random_plan(rng)
+        assert parse_plan(plan.to_json_dict()) == plan
+        assert parse_plan(json.loads(json.dumps(plan.to_json_dict()))) == plan
+        assert decode_plan(encode_plan(plan)) == plan
+
+
+def test_keyword_construction_takes_lists_and_defaults() -> None:
+    """The operator may pass lists; optional fields default; the result equals the parsed plan."""
+    plan = LaunchPlan(
+        version=1, model="m", data_parallel_size=2, ranks_per_node=1, tensor_parallel_size=1,
+        pack_strategy="strict", gpu_pods=2, gpus_per_pod=1, total_gpus=2,
+        pods=[PodPlan(0, "head", [0], 1), PodPlan(1, "worker", [1], 1)],
+        port=8000, command=["vllm", "serve", "m"],
+    )  # fmt: skip
+    assert plan.command == ("vllm", "serve", "m")
+    assert plan.pods[1].ranks == (1,)
+    assert (plan.env, plan.drain_grace_seconds) == ({}, None)
+    assert "drainGraceSeconds" not in plan.to_json_dict()
+    assert parse_plan(plan.to_json_dict()) == plan
+
+
+def test_drain_grace_is_optional_and_checked() -> None:
+    """drainGraceSeconds: absent or null is None; otherwise a positive number."""
+    data = example()
+    assert parse_plan(data).drain_grace_seconds is None
+    data["drainGraceSeconds"] = None
+    assert parse_plan(data).drain_grace_seconds is None
+    data["drainGraceSeconds"] = 45
+    assert parse_plan(data).drain_grace_seconds == 45.0
+    data["drainGraceSeconds"] = 0
+    with pytest.raises(PlanError, match="'drainGraceSeconds' must be a positive number"):
+        parse_plan(data)
+
+
+def test_encode_refuses_a_plan_the_launcher_would_refuse() -> None:
+    """The operator learns at render time, with the key named, not at launch time."""
+    plan = parse_plan(example())
+    with pytest.raises(PlanError, match="'port' must be >= 1"):
+        encode_plan(dataclasses.replace(plan, port=0))
+    with pytest.raises(PlanError, match=r"'command\[2\]' must be a string"):
+        encode_plan(dataclasses.replace(plan, command=("vllm", "serve", 8)))  # type: ignore[arg-type]
+
+
+def test_plan_module_needs_neither_ray_nor_zmq() -> None:
+    """The operator imports the schema without the engine's dependencies."""
+    code = (
+        "import sys; sys.modules['ray'] = None; sys.modules['zmq'] = None\n"
+        "from vllm_dp_launcher import plan, stages\n"
+        "print(plan.LaunchPlan.__name__, stages.STAGES[0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["LaunchPlan", "connecting"]

@@ -14,6 +14,7 @@ One test per pitfall that a rendered manifest or a validation rule prevents. Han
 
 from __future__ import annotations
 
+import base64
 import json
 import shlex
 from pathlib import Path
@@ -59,7 +60,7 @@ def _containers(manifests: dict[str, list[dict[str, Any]]]) -> list[dict[str, An
 def _launch_spec(manifests: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     [job] = manifests["RayJob"]
     argv = shlex.split(job["spec"]["entrypoint"])
-    spec: dict[str, Any] = json.loads(argv[argv.index("--plan") + 1])
+    spec: dict[str, Any] = json.loads(base64.b64decode(argv[argv.index("--plan-b64") + 1]))
     return spec
 
 
@@ -186,7 +187,7 @@ def test_pitfall_9_no_ray_client_address_and_rpc_port_left_alone(rendered: dict[
     spec = _launch_spec(rendered)
     assert "RAY_ADDRESS" not in spec["env"]
     assert not any(a.startswith(("--data-parallel-rpc-port", "-dpp")) for a in spec["command"])
-    assert spec["port"] not in constants.RAY_RESERVED_PORTS
+    assert not any(low <= spec["port"] <= high for low, high, _ in constants.RESERVED_PORTS)
     assert any(
         "RAY_ADDRESS (use" in e
         for e in _rejected({"env": [{"name": "RAY_ADDRESS", "value": "ray://h:10001"}]})

@@ -115,7 +115,7 @@ def test_command_owns_dp_flags_and_appends_engine_args() -> None:
         dataParallel=dp(8, 4),
         servedModelName="qwen",
         apiServerCount=4,
-        service={"port": 8080},
+        service={"port": 9000},
         engineArgs=["--max-model-len", "8192", "--enable-prefix-caching"],
     )
     assert plan.command == (
@@ -125,7 +125,7 @@ def test_command_owns_dp_flags_and_appends_engine_args() -> None:
         "--host",
         "0.0.0.0",
         "--port",
-        "8080",
+        "9000",
         "--data-parallel-backend",
         "ray",
         "--data-parallel-size",
@@ -142,14 +142,39 @@ def test_command_owns_dp_flags_and_appends_engine_args() -> None:
         "8192",
         "--enable-prefix-caching",
     )
-    assert plan.port == 8080
+    assert plan.port == 9000
 
 
 def test_command_leaves_the_dp_address_to_the_launcher() -> None:
     plan = plan_of(dataParallel=dp(4, 2))
     assert "--data-parallel-address" not in plan.command
-    assert "--api-server-count" not in plan.command  # vLLM's default when unset
     assert "--served-model-name" not in plan.command
+
+
+def test_api_server_count_is_explicit_vllms_default_when_unset() -> None:
+    # vLLM 0.33 starts one API server per DP rank with its own load balancing; the plan says
+    # so out loud, so the head can be sized for it.
+    plan = plan_of(dataParallel=dp(4, 2))
+    assert plan.api_servers == 4
+    i = plan.command.index("--api-server-count")
+    assert plan.command[i + 1] == "4"
+    assert plan_of(dataParallel=dp(4, 2), apiServerCount=1).api_servers == 1
+
+
+@pytest.mark.parametrize(
+    ("resources", "servers", "cpu", "memory"),
+    [
+        ({"cpu": "16", "memory": "64Gi"}, 8, "24", "80Gi"),
+        ({"cpu": "2500m", "memory": "1536Mi"}, 1, "3500m", "3584Mi"),
+        ({"cpu": "4"}, 2, "6", None),
+        ({}, 8, None, None),
+    ],
+)
+def test_head_gets_cpu_and_memory_per_api_server(
+    resources: dict[str, str], servers: int, cpu: str | None, memory: str | None
+) -> None:
+    plan = plan_of(dataParallel=dp(8, 2), apiServerCount=servers, resources=resources)
+    assert (plan.head_cpu, plan.head_memory) == (cpu, memory)
 
 
 def test_env_pack_strategy_prefixes_and_literals() -> None:

@@ -2,90 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-from typing import Any
-
-import pytest
-from fake_kube import FakeKube
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.config import Config
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE
-from vllm_dp_operator.probe import ProbeResult
-from vllm_dp_operator.reconcile import Outcome, Resource, reconcile
-
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-CFG = Config(backoff_base_seconds=10, backoff_cap_seconds=40)
-
-
-class FakeProbe:
-    """Test double for the health probe: answers what the test sets."""
-
-    def __init__(self) -> None:
-        self.ok = False
-        self.calls = 0
-
-    async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
-        self.calls += 1
-        return ProbeResult(self.ok, f"probe {service}:{port} ok={self.ok}")
-
-
-def spec(**over: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "model": "Qwen/Qwen2.5-7B-Instruct",
-        "dataParallel": {"size": 8, "ranksPerNode": 4},
-    }
-    base.update(over)
-    return base
-
-
-class World:
-    """A resource, its status as kopf would persist it, and the faked cluster around it."""
-
-    def __init__(self, raw_spec: dict[str, Any] | None = None) -> None:
-        self.kube = FakeKube()
-        self.probe = FakeProbe()
-        self.spec = raw_spec or spec()
-        self.status: dict[str, Any] = {}
-        self.generation = 1
-        self.now = T0
-        self.events: list[tuple[str, str, str]] = []
-
-    async def step(self, advance: float = 0.0) -> Outcome:
-        self.now += timedelta(seconds=advance)
-        res = Resource("demo", "default", "uid-demo", self.generation, self.spec, self.status)
-        out = await reconcile(res, self.kube, self.probe, CFG, self.now)
-        self.status = {k: v for k, v in out.status.items() if v is not None}
-        self.events += [(e.type, e.reason, e.message) for e in out.events]
-        return out
-
-    def update(self, raw_spec: dict[str, Any]) -> None:
-        self.spec = raw_spec
-        self.generation += 1
-
-    def clusters(self) -> list[dict[str, Any]]:
-        return self.kube.named(RAYCLUSTER)
-
-    def jobs(self) -> list[dict[str, Any]]:
-        return self.kube.named(RAYJOB)
-
-    def cluster_ready(self) -> None:
-        for cluster in self.clusters():
-            groups = cluster["spec"]["workerGroupSpecs"]
-            workers = groups[0]["replicas"] if groups else 0
-            self.kube.set_status(RAYCLUSTER, "default", cluster["metadata"]["name"], {
-                "state": "ready",
-                "readyWorkerReplicas": workers,
-                "conditions": [
-                    {"type": "HeadPodReady", "status": "True"},
-                    {"type": "RayClusterProvisioned", "status": "True"},
-                ],
-            })  # fmt: skip
-
-    def job_status(self, name: str, **status: str) -> None:
-        self.kube.set_status(RAYJOB, "default", name, status)
-
-    def reasons(self) -> list[str]:
-        return [r for _, r, _ in self.events]
+from vllm_dp_operator.kube import POD, RAYJOB, SERVICE
+from world import World, launched, serving, spec
 
 
 async def test_create_makes_cluster_and_service_but_no_job_until_ready() -> None:
@@ -95,7 +14,7 @@ async def test_create_makes_cluster_and_service_but_no_job_until_ready() -> None
     assert w.kube.named(SERVICE)[0]["metadata"]["name"] == "demo-api"
     assert w.jobs() == []
     assert w.status["phase"] == c.PHASE_PROVISIONING
-    assert w.status["layout"]["gpuPods"] == 2
+    assert w.status["layout"]["gpuPods"] == 2 and w.status["layout"]["apiServers"] == 8
     owner = w.clusters()[0]["metadata"]["ownerReferences"][0]
     assert owner["uid"] == "uid-demo" and owner["controller"] is True
     assert c.REASON_CLUSTER_CREATED in w.reasons()
@@ -110,14 +29,24 @@ async def test_head_job_created_once_cluster_ready_then_serving_on_health() -> N
     await w.step()
     (job,) = w.jobs()
     assert job["spec"]["clusterSelector"] == {c.LABEL_RAY_CLUSTER: w.status["rayCluster"]}
+    assert job["spec"]["submissionMode"] == "HTTPMode"
+    # The head pod it runs on is recorded: a different head later means the job died.
+    head = w.head_pod()
+    assert head is not None
+    assert job["metadata"]["annotations"][c.ANNOTATION_HEAD_POD_UID] == head["metadata"]["uid"]
     assert w.status["phase"] == c.PHASE_LAUNCHING
-    assert w.status["headJob"] == job["metadata"]["name"] == "demo-launch-1"
-    w.job_status("demo-launch-1", jobStatus="RUNNING", jobDeploymentStatus="Running")
+    assert w.status["headJob"] == job["metadata"]["name"] == "demo-j00001"
+    w.run("demo-j00001")
     await w.step()
     assert w.status["phase"] == c.PHASE_LAUNCHING  # running, /health not yet 200
+    assert w.serving_label() is None  # the Service routes nowhere yet
     w.probe.ok = True
     await w.step()
     assert w.status["phase"] == c.PHASE_SERVING
+    assert w.status["servedJob"] == "demo-j00001"
+    assert w.serving_label() == "true"  # now the Service selects the head
+    # /health is asked of the head pod through KubeRay's head Service, not the API Service.
+    assert w.probe.calls[-1] == f"{w.status['rayCluster']}-head-svc:8000"
     ready = next(x for x in w.status["conditions"] if x["type"] == c.COND_READY)
     assert ready["status"] == "True"
     assert w.reasons().count(c.REASON_HEALTHY) == 1
@@ -125,88 +54,31 @@ async def test_head_job_created_once_cluster_ready_then_serving_on_health() -> N
     assert w.reasons().count(c.REASON_HEALTHY) == 1  # no repeat event while steady
 
 
-async def _failed_world() -> World:
-    w = World()
+async def test_service_stops_routing_when_health_fails() -> None:
+    w = await serving()
+    w.probe.ok = False
     await w.step()
-    w.cluster_ready()
-    await w.step()
-    w.job_status("demo-launch-1", jobStatus="FAILED", jobDeploymentStatus="Failed")
-    return w
-
-
-async def test_failed_head_job_warns_counts_and_relaunches_after_backoff() -> None:
-    w = await _failed_world()
-    out = await w.step()
-    assert w.status["phase"] == c.PHASE_BACKOFF
-    assert w.status["consecutiveFailures"] == 1
-    assert out.retry_after == pytest.approx(10)
-    warnings = [e for e in w.events if e[0] == c.EVENT_WARNING]
-    assert [e[1] for e in warnings] == [c.REASON_JOB_FAILED]
-    assert len(w.jobs()) == 1  # no relaunch during backoff
-    await w.step(advance=5)
-    assert len(w.jobs()) == 1 and w.status["consecutiveFailures"] == 1  # counted once
-    await w.step(advance=6)
-    assert [j["metadata"]["name"] for j in w.jobs()] == ["demo-launch-1", "demo-launch-2"]
-    assert w.status["launchAttempts"] == 2 and w.status["phase"] == c.PHASE_LAUNCHING
-    assert c.REASON_JOB_RELAUNCH in w.reasons()
-
-
-async def test_backoff_doubles_and_is_capped() -> None:
-    w = await _failed_world()
-    waits = []
-    for attempt in range(1, 6):
-        out = await w.step()
-        waits.append(out.retry_after)
-        await w.step(advance=out.retry_after or 0)
-        w.job_status(f"demo-launch-{attempt + 1}", jobStatus="FAILED")
-    assert waits == [10, 20, 40, 40, 40]
-    assert w.status["consecutiveFailures"] == 5
-    assert len(w.jobs()) <= 2  # old attempts are cleaned up, the list does not grow
-
-
-async def test_serving_resets_failure_count_and_drops_old_jobs() -> None:
-    w = await _failed_world()
-    await w.step()
-    await w.step(advance=11)
-    w.job_status("demo-launch-2", jobStatus="RUNNING")
+    assert w.serving_label() is None
+    assert w.status["phase"] == c.PHASE_LAUNCHING and "served" in w.status["message"]
     w.probe.ok = True
     await w.step()
-    assert w.status["phase"] == c.PHASE_SERVING and w.status["consecutiveFailures"] == 0
-    assert [j["metadata"]["name"] for j in w.jobs()] == ["demo-launch-2"]
+    assert w.serving_label() == "true"
 
 
-async def test_engine_only_change_relaunches_head_job_on_same_cluster() -> None:
-    w = World()
-    await w.step()
-    w.cluster_ready()
-    await w.step()
-    cluster_before = w.clusters()[0]["metadata"]["name"]
-    w.update(spec(engineArgs=["--max-model-len", "8192"], apiServerCount=2))
-    await w.step()
-    assert [cl["metadata"]["name"] for cl in w.clusters()] == [cluster_before]
-    (job,) = w.jobs()
-    assert job["metadata"]["name"] == "demo-launch-2"
-    assert "--max-model-len" in job["spec"]["entrypoint"]
-    assert c.REASON_ENGINE_CHANGED in w.reasons()
-
-
-async def test_shape_change_replaces_cluster_and_stops_old_job() -> None:
-    w = World()
-    await w.step()
-    w.cluster_ready()
-    await w.step()
+async def test_shape_change_replaces_cluster_and_drops_the_old_job_with_its_pods() -> None:
+    w = await serving()
     old = w.clusters()[0]["metadata"]["name"]
     w.update(spec(dataParallel={"size": 12, "ranksPerNode": 4}))
     await w.step()
     names = [cl["metadata"]["name"] for cl in w.clusters()]
     assert old not in names and names == [w.status["rayCluster"]]
-    assert w.jobs() == []
+    assert w.jobs() == [] and w.ray.stops == []  # its Ray job goes with the old pods
     assert w.status["phase"] == c.PHASE_PROVISIONING and w.status["layout"]["gpuPods"] == 3
     svc = w.kube.named(SERVICE)[0]
     assert svc["spec"]["selector"][c.LABEL_RAY_CLUSTER] == w.status["rayCluster"]
     w.cluster_ready()
     await w.step()
-    assert [j["metadata"]["name"] for j in w.jobs()] == ["demo-launch-2"]
+    assert w.job_names() == ["demo-j00002"]
 
 
 async def test_invalid_spec_creates_nothing_and_warns_once() -> None:
@@ -220,40 +92,29 @@ async def test_invalid_spec_creates_nothing_and_warns_once() -> None:
 
 
 async def test_interrupted_reconcile_converges_without_duplicates() -> None:
-    w = World()
-    await w.step()
-    w.cluster_ready()
-    await w.step()
+    w = await launched()
     # The operator died after creating the job but before its status was written.
     w.status = {}
     await w.step()
     await w.step()
-    assert len(w.clusters()) == 1 and len(w.jobs()) == 1
+    assert len(w.clusters()) == 1 and w.job_names() == ["demo-j00001"]
     assert len(w.kube.named(SERVICE)) == 1
 
 
 async def test_api_calls_per_reconcile_are_bounded_and_steady() -> None:
-    w = World()
-    await w.step()
-    w.cluster_ready()
-    await w.step()
-    w.job_status("demo-launch-1", jobStatus="RUNNING")
-    w.probe.ok = True
-    await w.step()
+    w = await serving()
     counts = []
     for _ in range(20):
         w.kube.calls.clear()
         await w.step(advance=5)
         counts.append(dict(w.kube.calls))
     assert all(x == counts[0] for x in counts)
-    assert counts[0] == {"list": 2, "get": 1}  # steady state: reads only, no writes
+    # Steady state: reads only (clusters, head jobs, the head pod; the Service), no writes.
+    assert counts[0] == {"list": 3, "get": 1}
 
 
 async def test_suspend_stops_pods_and_head_job_then_resumes() -> None:
-    w = World()
-    await w.step()
-    w.cluster_ready()
-    await w.step()
+    w = await launched()
     w.update(spec(suspend=True))
     await w.step()
     assert w.clusters()[0]["spec"]["suspend"] is True
@@ -299,17 +160,13 @@ async def test_condition_transition_time_moves_only_on_flip() -> None:
 
 
 async def test_attempt_numbers_never_repeat_even_without_status() -> None:
-    w = World()
-    await w.step()
-    w.cluster_ready()
-    await w.step()
+    w = await launched()
     w.update(spec(engineArgs=["--max-model-len", "4096"]))
     # The operator lost its status, and the old head job is still terminating.
     w.status = {}
     old = w.jobs()[0]
     old["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    w.kube.objects[(RAYJOB, "default", "demo-launch-1")] = old
+    w.kube.objects[(RAYJOB, "default", "demo-j00001")] = old
     await w.step()
-    names = {j["metadata"]["name"] for j in w.jobs()}
-    assert names == {"demo-launch-1", "demo-launch-2"}
-    assert w.status["headJob"] == "demo-launch-2" and w.status["launchAttempts"] == 2
+    assert set(w.job_names()) == {"demo-j00001", "demo-j00002"}
+    assert w.status["headJob"] == "demo-j00002" and w.status["launchAttempts"] == 2

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import re
 import shlex
 from typing import Any
 
 import pytest
+import yaml
 from vllm_dp_operator import constants
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import build_plan
@@ -64,14 +67,17 @@ def test_raycluster_worker_replicas_are_pods_minus_one() -> None:
 
 
 def test_raycluster_head_and_workers_request_identical_gpus() -> None:
-    cluster = cluster_of(with_(tensorParallelSize=2, resources={"cpu": "8", "memory": "64Gi"}))
+    raw = with_(tensorParallelSize=2, apiServerCount=2, resources={"cpu": "8", "memory": "64Gi"})
+    cluster = cluster_of(raw)
+    head, worker = templates(cluster)
     expected = {"nvidia.com/gpu": 8, "cpu": "8", "memory": "64Gi"}
-    for template in templates(cluster):
-        resources = container(template)["resources"]
-        assert resources == {"limits": expected, "requests": expected}
-    head = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert container(worker)["resources"] == {"limits": expected, "requests": expected}
+    # The head also runs the API servers: 1 CPU and 2Gi more for each.
+    head_expected = {"nvidia.com/gpu": 8, "cpu": "10", "memory": "68Gi"}
+    assert container(head)["resources"] == {"limits": head_expected, "requests": head_expected}
+    params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
     [group] = cluster["spec"]["workerGroupSpecs"]
-    assert head["num-gpus"] == group["rayStartParams"]["num-gpus"] == "8"
+    assert params["num-gpus"] == group["rayStartParams"]["num-gpus"] == "8"
 
 
 def test_raycluster_gpu_resource_name_and_per_pod() -> None:
@@ -130,10 +136,10 @@ def test_raycluster_name_fits_kubernetes_limits_at_max_length() -> None:
 
 
 def test_raycluster_head_declares_ray_ports_and_the_serving_port() -> None:
-    cluster = cluster_of(with_(service={"port": 8080}))
+    cluster = cluster_of(with_(service={"port": 9000}))
     head = container(cluster["spec"]["headGroupSpec"]["template"])
     ports = {p["containerPort"] for p in head["ports"]}
-    assert ports == {6379, 8265, 10001, 8080}
+    assert ports == {6379, 8265, 10001, 9000}
     [group] = cluster["spec"]["workerGroupSpecs"]
     assert "ports" not in container(group["template"])
 
@@ -163,9 +169,29 @@ def test_raycluster_pod_options_reach_every_pod() -> None:
         } in pod["volumes"]
         env = {e["name"]: e for e in container(template)["env"]}
         assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
-        assert env["HF_HOME"]["value"] == "/root/.cache/huggingface"
+        assert env["HF_HOME"]["value"] == "/var/cache/huggingface"
+        mounts = {m["name"]: m["mountPath"] for m in container(template)["volumeMounts"]}
+        assert mounts["model-cache"] == "/var/cache/huggingface"
         assert "FROM_CM" in env
         assert "LITERAL" not in env  # literals travel in the head job, not the pods
+
+
+def test_raycluster_pods_run_the_engine_as_non_root_with_a_writable_cache() -> None:
+    # The engine image runs as UID 2000; /root is 0700 in vLLM's image, and a fresh claim is
+    # root-owned: a cache outside /root, made group-writable by fsGroup.
+    spec = validate("demo", with_(modelCache={"claimName": "hf"}))
+    assert not spec.model_cache or not spec.model_cache.mount_path.startswith("/root")
+    for template in templates(cluster_of(with_(modelCache={"claimName": "hf"}))):
+        assert template["spec"]["securityContext"] == {
+            "fsGroup": 2000, "fsGroupChangePolicy": "OnRootMismatch"}  # fmt: skip
+    other = cluster_of(BASE, options=RenderOptions(fs_group=1234))
+    assert templates(other)[0]["spec"]["securityContext"]["fsGroup"] == 1234
+
+
+def test_raycluster_pods_share_the_process_namespace() -> None:
+    # `ray start` as PID 1 ignores SIGTERM and reaps nothing; the pause container does both.
+    for template in templates(cluster_of(BASE)):
+        assert template["spec"]["shareProcessNamespace"] is True
 
 
 def test_raycluster_templates_share_no_objects() -> None:
@@ -187,15 +213,17 @@ def service_of(raw: dict[str, Any], name: str = "demo", owner: Any = OWNER) -> d
 
 def test_service_selects_only_the_head_of_that_cluster() -> None:
     service = service_of(
-        with_(service={"port": 8080, "type": "NodePort", "annotations": {"a": "b"}})
+        with_(service={"port": 9000, "type": "NodePort", "annotations": {"a": "b"}})
     )
+    # Only a head whose vLLM answers /health carries the serving label (set by the operator).
     assert service["spec"]["selector"] == {
         "ray.io/cluster": "demo-abcde",
         "ray.io/node-type": "head",
+        "vllmdp.io/serving": "true",
     }
     assert service["spec"]["type"] == "NodePort"
     assert service["spec"]["ports"] == [
-        {"name": "http", "protocol": "TCP", "port": 8080, "targetPort": 8080}
+        {"name": "http", "protocol": "TCP", "port": 9000, "targetPort": 9000}
     ]
     assert service["metadata"]["annotations"] == {"a": "b"}
     assert service["metadata"]["ownerReferences"] == [OWNER]
@@ -213,29 +241,41 @@ def test_service_is_never_named_vllm(name: str) -> None:
 
 
 def job_of(
-    raw: dict[str, Any], cluster_name: str = "demo-abcde", attempt: int = 1, owner: Any = OWNER
-) -> dict[str, Any]:
+    raw: dict[str, Any], cluster_name: str = "demo-abcde", attempt: int = 1, owner: Any = OWNER,
+    head_pod_uid: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     spec = validate("demo", raw)
-    return build_head_job("demo", "ns", spec, build_plan(spec), OPTIONS, cluster_name, attempt,
-                          owner)  # fmt: skip
+    return build_head_job("demo", "ns", spec, build_plan(spec), cluster_name, attempt, owner,
+                          head_pod_uid)  # fmt: skip
 
 
-def test_head_job_submitter_schedules_on_gpu_nodes_and_does_not_retry_itself() -> None:
+def test_head_job_is_submitted_over_http_without_a_submitter_pod() -> None:
     job = job_of({**BASE, "tolerations": [{"key": "team", "operator": "Exists"}]})
-    pod = job["spec"]["submitterPodTemplate"]
-    keys = [t["key"] for t in pod["spec"]["tolerations"]]
-    assert keys == ["nvidia.com/gpu", "team"]
-    assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "demo"
-    (container,) = pod["spec"]["containers"]
-    assert "command" not in container  # KubeRay fills in `ray job submit`
-    assert container["image"] == OPTIONS.default_image
-    assert job["spec"]["submitterConfig"] == {"backoffLimit": 0}
+    assert job["spec"]["submissionMode"] == "HTTPMode"
+    for key in ("submitterPodTemplate", "submitterConfig", "backoffLimit"):
+        assert key not in job["spec"]
+    # The RayJob name is the Ray submission id: the operator can ask about it by name.
+    assert job["spec"]["jobId"] == job["metadata"]["name"]
+
+
+def test_head_job_stop_waits_the_drain_grace() -> None:
+    job = job_of(with_(launch={"drainSeconds": 45}))
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    assert env == {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "45"}}
+    default = yaml.safe_load(job_of(BASE)["spec"]["runtimeEnvYAML"])
+    assert default["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == str(constants.DEFAULT_DRAIN_SECONDS)
+
+
+def test_head_job_records_the_head_pod_it_runs_on() -> None:
+    job = job_of(BASE, head_pod_uid="uid-head-1")
+    assert job["metadata"]["annotations"] == {constants.ANNOTATION_HEAD_POD_UID: "uid-head-1"}
+    assert "annotations" not in job_of(BASE)["metadata"]
 
 
 def test_head_job_runs_on_the_existing_cluster() -> None:
     job = job_of(BASE, attempt=3)
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
-    assert job["metadata"]["name"] == "demo-launch-3"
+    assert job["metadata"]["name"] == "demo-j00003"
     assert job["metadata"]["labels"][constants.LABEL_ATTEMPT] == "3"
     assert job["metadata"]["labels"][constants.LABEL_CLUSTER] == "demo-abcde"
     assert job["spec"]["clusterSelector"] == {"ray.io/cluster": "demo-abcde"}
@@ -253,7 +293,7 @@ def test_head_job_runs_on_the_existing_cluster() -> None:
     [
         BASE,
         with_(
-            env=[{"name": "QUOTE", "value": 'it\'s "quoted" $HOME `x`'}],
+            env=[{"name": "QUOTE", "value": 'it\'s "quoted" $HOME `x`; (y) ünï'}],
             engineArgs=["--chat-template={{ 'x' }}"],
         ),
     ],
@@ -262,13 +302,17 @@ def test_head_job_runs_on_the_existing_cluster() -> None:
 def test_head_job_entrypoint_carries_the_launch_spec(raw: dict[str, Any]) -> None:
     spec = validate("demo", raw)
     plan = build_plan(spec)
-    job = build_head_job("demo", "ns", spec, plan, OPTIONS, "demo-abcde", 1, None)
+    job = build_head_job("demo", "ns", spec, plan, "demo-abcde", 1, None)
     entrypoint = job["spec"]["entrypoint"]
     assert entrypoint == launcher_entrypoint(plan)
     argv = shlex.split(entrypoint)
-    assert argv[:4] == ["python", "-m", "vllm_dp_launcher", "--plan"]
+    assert argv[:4] == ["python", "-m", "vllm_dp_launcher", "--plan-b64"]
     assert len(argv) == 5
-    assert json.loads(argv[4]) == plan.launch_spec()
+    # Standard base64, no line breaks: nothing a shell would expand, split or quote.
+    assert re.fullmatch(r"[A-Za-z0-9+/]+=*", argv[4])
+    assert json.loads(base64.b64decode(argv[4], validate=True).decode("utf-8")) == (
+        plan.launch_spec()
+    )
 
 
 # --- what the hashes follow -------------------------------------------------------------------
@@ -283,7 +327,9 @@ SHAPE_CHANGES = {
     "cpu": with_(resources={"cpu": "32"}),
     "memory": with_(resources={"memory": "256Gi"}),
     "shm": with_(shmSize="32Gi"),
-    "port": with_(service={"port": 8080}),
+    "port": with_(service={"port": 9000}),
+    # With resources set, the head is sized for its API servers: a new head pod.
+    "api-server-count-sizes-head": with_(resources={"cpu": "8"}, apiServerCount=2),
     "env-from-secret": with_(
         env=[{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
     ),
@@ -295,7 +341,7 @@ ENGINE_CHANGES = {
     "model": with_(model="Qwen/Qwen2.5-14B-Instruct"),
     "served-model-name": with_(servedModelName="qwen"),
     "env-literal": with_(env=[{"name": "NCCL_DEBUG", "value": "INFO"}]),
-    "api-server-count": with_(apiServerCount=2),
+    "api-server-count-without-resources": with_(apiServerCount=2),
     "pack-strategy-same-layout": with_(
         dataParallel={"size": 8, "ranksPerNode": 4, "packStrategy": "fill"}
     ),
@@ -307,7 +353,7 @@ def _hashes(raw: dict[str, Any]) -> tuple[str, str, str]:
     plan = build_plan(spec)
     cluster = build_raycluster("demo", "ns", spec, plan, OPTIONS, None)
     name = cluster["metadata"]["name"]
-    job = build_head_job("demo", "ns", spec, plan, OPTIONS, name, 1, None)
+    job = build_head_job("demo", "ns", spec, plan, name, 1, None)
     return (
         cluster_hash("demo", spec, plan, OPTIONS),
         name,
@@ -334,6 +380,11 @@ def test_engine_only_change_keeps_the_cluster_and_makes_a_new_job(raw: dict[str,
 
 def test_suspend_changes_neither_hash() -> None:
     assert _hashes(with_(suspend=True)) == _hashes(BASE)
+
+
+def test_launch_deadlines_change_neither_hash() -> None:
+    # The deadline is the operator's; the drain is read when a job stops: no relaunch for them.
+    assert _hashes(with_(launch={"timeoutSeconds": 60, "drainSeconds": 5})) == _hashes(BASE)
 
 
 def test_socket_ifname_option_is_part_of_the_shape() -> None:

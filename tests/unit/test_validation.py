@@ -10,7 +10,15 @@ import pytest
 import yaml
 from vllm_dp_operator import constants
 from vllm_dp_operator.models import VLLMDataParallelSpec
-from vllm_dp_operator.validation import OWNED_FLAGS, RESERVED_ENV, RULES, SpecError, validate
+from vllm_dp_operator.validation import (
+    NAME_RULES,
+    OWNED_FLAGS,
+    RESERVED_ENV,
+    RULES,
+    SpecError,
+    check_name,
+    validate,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DELETE = object()  # patch marker: remove the key
@@ -61,7 +69,10 @@ VALID: list[Any] = [
     pytest.param(merge(SPAN, {"tensorParallelSize": 8}), id="span-one-pod-per-rank"),
     pytest.param({"gpu": {"perPod": 8}}, id="per-pod-larger-than-needed"),
     pytest.param(dp(1024, 64), id="largest-dp"),
-    pytest.param({"service": {"port": 8080, "type": "NodePort"}}, id="other-port"),
+    pytest.param({"service": {"port": 9000, "type": "NodePort"}}, id="other-port"),
+    pytest.param({"service": {"port": 10000}}, id="port-below-ray-ranges"),
+    pytest.param({"service": {"port": 20000}}, id="port-above-ray-worker-range"),
+    pytest.param({"launch": {"timeoutSeconds": 600, "drainSeconds": 0}}, id="launch-deadlines"),
     pytest.param(
         args(
             "--max-model-len",
@@ -212,11 +223,30 @@ INVALID: list[Any] = [
         pytest.param(
             {"service": {"port": port}},
             "spec.service.port",
-            "the Ray head pod uses those ports",
+            owner,
             id=f"ray-port-{port}",
         )
-        for port in constants.RAY_RESERVED_PORTS
+        for low, high, owner in constants.RESERVED_PORTS
+        for port in sorted({low, high})
     ],
+    pytest.param(
+        {"service": {"port": 8080}},
+        "spec.service.port",
+        "must not be 8080: that port belongs to Ray's metrics agent",
+        id="kuberay-metrics-port-named",
+    ),
+    pytest.param(
+        {"service": {"port": 52365}},
+        "spec.service.port",
+        "must not be 52365: that port belongs to the Ray dashboard agent",
+        id="dashboard-agent-port-named",
+    ),
+    pytest.param(
+        {"launch": {"timeoutSeconds": 1}},
+        "spec.launch.timeoutSeconds",
+        "greater than or equal to 5",
+        id="launch-timeout-too-short",
+    ),
     *OWNED_CASES,
     *RESERVED_CASES,
     pytest.param(
@@ -322,6 +352,28 @@ def test_name_too_long() -> None:
     [error] = info.value.errors
     assert error.path == "metadata.name"
     assert f"at most {constants.MAX_NAME_LENGTH} characters" in error.message
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-dp8", "7b-dp", "Qwen-dp8", "dp8-", "-dp8", "dp_8", "llama.3", "a b"]
+)
+def test_name_must_be_a_dns_1035_label(name: str) -> None:
+    with pytest.raises(SpecError) as info:
+        validate(name, BASE)
+    [error] = info.value.errors
+    assert error.path == "metadata.name"
+    assert "DNS-1035 label" in error.message and "no dots" in error.message
+    assert "RayJob" in error.message  # says why: the children are named after it
+
+
+@pytest.mark.parametrize("name", ["a", "qwen2-5-dp8", "x7b", "a-b-c9", "n" * 40])
+def test_dns_1035_names_pass(name: str) -> None:
+    assert check_name(name) == []
+
+
+def test_name_rules_come_with_cel() -> None:
+    assert [r.cel.split("(")[0] for r in NAME_RULES] == [
+        "self.metadata.name.size", "self.metadata.name.matches"]  # fmt: skip
 
 
 def test_name_error_reported_with_spec_errors() -> None:

@@ -66,6 +66,11 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: ["vllmdp.io"]
   resources: ["vllmdataparallels/status"]
   verbs: ["get", "patch"]
+# Children carry blockOwnerDeletion: true; under the OwnerReferencesPermissionEnforcement
+# admission plugin (on in OpenShift) creating them needs update on the owner's finalizers.
+- apiGroups: ["vllmdp.io"]
+  resources: ["vllmdataparallels/finalizers"]
+  verbs: ["update"]
 # The children: one RayCluster and one RayJob (the head job) per resource.
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
@@ -74,10 +79,11 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Read-only: explain Pending Ray pods (unschedulable, image pull) in the status.
+# Explain Pending Ray pods in the status; label the Ray head pod while its vLLM answers
+# /health (the API Service selects that label). Never create or delete pods.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "patch"]
 # Events posted by the operator and by kopf.
 - apiGroups: [""]
   resources: ["events"]
@@ -86,10 +92,11 @@ REQUIRED in tests/chart/test_chart_rbac.py.
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- if eq .Values.healthProbe.mode "apiserver-proxy" }}
-# Health probe through the API server (healthProbe.mode=apiserver-proxy) only.
+# The head pod through the API server (healthProbe.mode=apiserver-proxy) only: GET /health
+# and the Ray job API (get), POST a Ray job stop (create).
 - apiGroups: [""]
   resources: ["services/proxy"]
-  verbs: ["get"]
+  verbs: ["get", "create"]
 {{- end }}
 {{- end }}
 

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import base64
 import json
-import shlex
 from typing import Any
 
 from vllm_dp_operator import constants, names
-from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.models import VLLMDataParallelSpec
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.render.meta import metadata
-from vllm_dp_operator.render.raycluster import gpu_tolerations
 
 LAUNCHER_MODULE = "vllm_dp_launcher"
 
 
+def plan_b64(plan: Plan) -> str:
+    """The launch plan as base64 of its UTF-8 JSON: no shell alters it (RFC 4648 alphabet)."""
+    doc = json.dumps(plan.launch_spec(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return base64.b64encode(doc.encode("utf-8")).decode("ascii")
+
+
 def launcher_entrypoint(plan: Plan) -> str:
-    """The one place the launcher's invocation is written: the plan travels as JSON."""
-    doc = json.dumps(plan.launch_spec(), sort_keys=True, separators=(",", ":"))
-    return f"python -m {LAUNCHER_MODULE} --plan {shlex.quote(doc)}"
+    """The one place the launcher's invocation is written.
+
+    Ray's job supervisor runs the entrypoint with `/bin/sh -c`: a `$`, backtick, `;`, `(` or
+    non-ASCII text in the plan would be expanded, run or mangled there. Base64 has none of
+    them, so the plan reaches the launcher byte for byte.
+    """
+    return f"python -m {LAUNCHER_MODULE} --plan-b64 {plan_b64(plan)}"
 
 
 def job_hash(plan: Plan, cluster_name: str) -> str:
@@ -27,30 +35,14 @@ def job_hash(plan: Plan, cluster_name: str) -> str:
     return names.content_hash({"cluster": cluster_name, "plan": plan.launch_spec()})
 
 
-def _submitter_template(
-    instance: str, spec: VLLMDataParallelSpec, options: RenderOptions
-) -> dict[str, Any]:
-    # KubeRay's default submitter pod has no tolerations and never schedules on a cluster of
-    # tainted GPU nodes alone; KubeRay still fills in the `ray job submit` command.
-    return {
-        "metadata": {"labels": names.instance_labels(instance, constants.COMPONENT_HEAD_JOB)},
-        "spec": {
-            "restartPolicy": "Never",
-            "enableServiceLinks": False,
-            "tolerations": gpu_tolerations(spec),
-            "containers": [
-                {
-                    "name": "ray-job-submitter",
-                    "image": spec.image or options.default_image,
-                    "imagePullPolicy": "IfNotPresent",
-                    "resources": {
-                        "requests": {"cpu": "100m", "memory": "256Mi"},
-                        "limits": {"cpu": "1", "memory": "1Gi"},
-                    },
-                }
-            ],
-        },
-    }
+def runtime_env_yaml(spec: VLLMDataParallelSpec) -> str:
+    """The Ray job's runtime env: how long a stop waits between SIGTERM and SIGKILL.
+
+    Ray's job supervisor reads RAY_JOB_STOP_WAIT_TIME_S from its own environment, which is
+    this job's runtime env, so the drain grace follows the spec without restarting pods.
+    """
+    env = {constants.RAY_JOB_STOP_WAIT_ENV: str(spec.launch.drain_seconds)}
+    return json.dumps({"env_vars": env}, sort_keys=True)  # JSON is YAML
 
 
 def build_head_job(
@@ -58,30 +50,36 @@ def build_head_job(
     namespace: str,
     spec: VLLMDataParallelSpec,
     plan: Plan,
-    options: RenderOptions,
     cluster_name: str,
     attempt: int,
     owner: dict[str, Any] | None,
+    head_pod_uid: str | None = None,
 ) -> dict[str, Any]:
-    """A RayJob that submits the launcher to the named RayCluster."""
+    """A RayJob that submits the launcher to the named RayCluster through the dashboard API.
+
+    HTTPMode has no submitter pod following the logs, whose end KubeRay would take for the
+    end of the job while vLLM still serves. The RayJob name is the Ray submission id, so the
+    operator can stop and check the Ray job even when the RayJob's status is gone.
+    """
     labels = {
         **names.instance_labels(instance, constants.COMPONENT_HEAD_JOB),
         constants.LABEL_JOB_HASH: job_hash(plan, cluster_name),
         constants.LABEL_ATTEMPT: str(attempt),
         constants.LABEL_CLUSTER: cluster_name,
     }
+    annotations = {constants.ANNOTATION_HEAD_POD_UID: head_pod_uid} if head_pod_uid else None
+    name = names.head_job(instance, attempt)
     return {
         "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
         "kind": "RayJob",
-        "metadata": metadata(names.head_job(instance, attempt), namespace, labels, owner),
+        "metadata": metadata(name, namespace, labels, owner, annotations),
         "spec": {
             "entrypoint": launcher_entrypoint(plan),
+            "jobId": name,
+            "runtimeEnvYAML": runtime_env_yaml(spec),
             # The cluster outlives each launch: a relaunch reuses the running pods.
             "clusterSelector": {constants.LABEL_RAY_CLUSTER: cluster_name},
-            "submissionMode": "K8sJobMode",
+            "submissionMode": "HTTPMode",
             "shutdownAfterJobFinishes": False,
-            # One retry mechanism: the operator's backoff, not the submitter Job's as well.
-            "submitterConfig": {"backoffLimit": 0},
-            "submitterPodTemplate": _submitter_template(instance, spec, options),
         },
     }

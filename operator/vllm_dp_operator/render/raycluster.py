@@ -36,17 +36,22 @@ def _env(spec: VLLMDataParallelSpec, options: RenderOptions) -> list[dict[str, A
     return env
 
 
-def _resources(spec: VLLMDataParallelSpec, plan: Plan) -> dict[str, Any]:
+def _resources(spec: VLLMDataParallelSpec, plan: Plan, head: bool) -> dict[str, Any]:
+    # The head also runs vLLM's API servers: it gets their CPU and memory on top (plan).
     amounts: dict[str, Any] = {spec.gpu.resource_name: plan.gpus_per_pod}
-    if spec.resources.cpu:
-        amounts["cpu"] = spec.resources.cpu
-    if spec.resources.memory:
-        amounts["memory"] = spec.resources.memory
+    cpu = plan.head_cpu if head else spec.resources.cpu
+    memory = plan.head_memory if head else spec.resources.memory
+    if cpu:
+        amounts["cpu"] = cpu
+    if memory:
+        amounts["memory"] = memory
     return {"limits": dict(amounts), "requests": dict(amounts)}
 
 
 def _head_ports(spec: VLLMDataParallelSpec) -> list[dict[str, Any]]:
-    # Once one port is declared KubeRay exposes only declared ones: declare Ray's too.
+    # Once one port is declared KubeRay exposes only declared ones: declare Ray's too. The
+    # head Service (<cluster>-head-svc) then carries the dashboard and the API port, which is
+    # how the operator reaches both on the head pod alone.
     return [
         {"name": "gcs-server", "containerPort": constants.RAY_GCS_PORT},
         {"name": "dashboard", "containerPort": constants.RAY_DASHBOARD_PORT},
@@ -84,7 +89,7 @@ def _pod_template(
         "name": "ray-head" if head else "ray-worker",
         "image": spec.image or options.default_image,
         "imagePullPolicy": "IfNotPresent",
-        "resources": _resources(spec, plan),
+        "resources": _resources(spec, plan, head),
         "env": _env(spec, options),
         "volumeMounts": mounts,
     }
@@ -94,6 +99,13 @@ def _pod_template(
     pod: dict[str, Any] = {
         # A Service named like vLLM's settings would inject VLLM_PORT=tcp://... (vllm#34199).
         "enableServiceLinks": False,
+        # KubeRay's command leaves `ray start` as PID 1, which ignores SIGTERM: a pod stop then
+        # takes the whole grace period, and exited engine workers are never reaped. With the
+        # pause container as PID 1 they are reaped, and `ray start` gets SIGTERM normally.
+        "shareProcessNamespace": True,
+        # The engine runs as a non-root user: fsGroup makes the model cache claim writable to
+        # it; OnRootMismatch skips the recursive chown of a large cache once it is right.
+        "securityContext": {"fsGroup": options.fs_group, "fsGroupChangePolicy": "OnRootMismatch"},
         "containers": [container],
         "volumes": volumes,
         "tolerations": tolerations,

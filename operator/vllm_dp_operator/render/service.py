@@ -16,7 +16,13 @@ def build_service(
     cluster_name: str,
     owner: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """A Service selecting only the head pod of one RayCluster, on the serving port."""
+    """A Service selecting the head pod of one RayCluster once its vLLM answers /health.
+
+    Ray's readiness passes long before vLLM listens; the operator labels the head pod only
+    while /health answers, so clients never reach a closed port. (A readiness gate on the head
+    would deadlock: KubeRay waits for a ready head before the cluster is ready, and the head
+    job starts only then.)
+    """
     labels = names.instance_labels(instance, constants.COMPONENT_API)
     return {
         "apiVersion": "v1",
@@ -30,6 +36,7 @@ def build_service(
             "selector": {
                 constants.LABEL_RAY_CLUSTER: cluster_name,
                 constants.LABEL_RAY_NODE_TYPE: "head",
+                constants.LABEL_SERVING: "true",
             },
             "ports": [
                 {

@@ -1,0 +1,237 @@
+"""Head jobs on a ready RayCluster: launch one, watch it, stop it for real, relaunch.
+
+A new head job starts only once no other head job of the resource can still run on the
+cluster: each old one is stopped through the Ray job API and its end confirmed first (or it
+died with its head pod). A head job that fails, ends, or does not serve by the launch
+deadline counts as a failure and is relaunched after a backoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from vllm_dp_operator import constants as c
+from vllm_dp_operator import names
+from vllm_dp_operator.config import Config
+from vllm_dp_operator.jobstate import (
+    JobState,
+    StopStep,
+    annotation_time,
+    deadline_passed,
+    failure_reason,
+    job_failure_detail,
+    job_state,
+    launch_stage,
+    stop_step,
+    submission_id,
+)
+from vllm_dp_operator.kube import POD, RAYJOB, AlreadyExists, Kube
+from vllm_dp_operator.models import VLLMDataParallelSpec
+from vllm_dp_operator.outcome import Resource, StatusDoc
+from vllm_dp_operator.plan import Plan
+from vllm_dp_operator.probe import HealthProbe, ProbeResult
+from vllm_dp_operator.ray_dashboard import RayJobs
+from vllm_dp_operator.render import build_head_job
+from vllm_dp_operator.render.headjob import job_hash
+from vllm_dp_operator.render.meta import owner_reference
+from vllm_dp_operator.status import parse_rfc3339, rfc3339
+
+
+def head_pod_of(pods: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The Ray head pod among a cluster's head pods: not terminating, running ones first."""
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    live.sort(key=lambda p: (p.get("status") or {}).get("phase") != "Running")
+    return live[0] if live else None
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = obj["metadata"].get("labels") or {}
+    return labels
+
+
+class HeadJobs:
+    """One reconcile's view of a resource's head jobs on its ready cluster."""
+
+    def __init__(
+        self, kube: Kube, probe: HealthProbe, ray_jobs: RayJobs, cfg: Config, res: Resource,
+        spec: VLLMDataParallelSpec, plan: Plan, cluster: str, head_pod: dict[str, Any] | None,
+        st: StatusDoc,
+    ) -> None:  # fmt: skip
+        self.kube, self.probe, self.ray_jobs, self.cfg = kube, probe, ray_jobs, cfg
+        self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
+        self.head_pod, self.st, self.ns = head_pod, st, res.namespace
+        self.health = ProbeResult(False, "not probed")
+
+    async def converge(self, jobs: list[dict[str, Any]]) -> None:
+        """Jobs are the live head jobs on this cluster, oldest attempt first."""
+        want = job_hash(self.plan, self.cluster)
+        current = [j for j in jobs if _labels(j).get(c.LABEL_JOB_HASH) == want]
+        latest = current[-1] if current else None
+        retire = [(j, "what it runs has changed") for j in jobs if j not in current]
+        retire += [(j, "a newer head job runs the same plan") for j in current[:-1]]
+        if latest is not None and (why := await self._failure(latest)) is not None:
+            retire.append((latest, why))
+            latest = None
+        # The API Service routes to the head only while its vLLM answers, and never while an
+        # old head job drains: then no new request reaches engines about to stop.
+        await self._label_head(latest is not None and self.health.ok and not retire)
+        waiting = [m for job, why in retire if (m := await self._retire(job, why))]
+        if latest is None:
+            await self._launch_or_wait(waiting)
+        else:
+            self._report(latest, waiting)
+
+    async def _failure(self, job: dict[str, Any]) -> str | None:
+        """Why the latest head job counts as failed, or None; probes /health when it runs."""
+        name, doc = job["metadata"]["name"], self.st.doc
+        if name == doc["lastFailedJob"]:
+            return str(doc.get("lastFailureReason") or "it failed")
+        if job_state(job) in (JobState.FAILED, JobState.ENDED):
+            return self._record_failure(name, failure_reason(job), c.REASON_JOB_FAILED)
+        self.health = await self.probe.check(
+            self.ns, names.head_service(self.cluster), self.spec.service.port
+        )
+        timeout = self.spec.launch.timeout_seconds
+        if (
+            not self.health.ok
+            and doc.get("servedJob") != name
+            and deadline_passed(job, self.st.now, timeout)
+        ):
+            why = (f"it did not serve within spec.launch.timeoutSeconds ({timeout}s); stuck "
+                   f"where {launch_stage(job, self.health.detail)}")  # fmt: skip
+            return self._record_failure(name, why, c.REASON_JOB_TIMED_OUT)
+        return None
+
+    def _record_failure(self, name: str, why: str, reason: str) -> str:
+        doc = self.st.doc
+        doc["consecutiveFailures"] += 1
+        doc.update(lastFailedJob=name, lastFailureTime=rfc3339(self.st.now), lastFailureReason=why)
+        self.st.event(c.EVENT_WARNING, reason, f"Head job {name} failed: {why} (failure "
+                      f"{doc['consecutiveFailures']} in a row)")  # fmt: skip
+        return why
+
+    async def _label_head(self, serving: bool) -> None:
+        pod = self.head_pod
+        if pod is None or (_labels(pod).get(c.LABEL_SERVING) == "true") == serving:
+            return
+        value = "true" if serving else None  # None removes the label (merge patch)
+        await self.kube.patch(POD, self.ns, pod["metadata"]["name"],
+                              {"metadata": {"labels": {c.LABEL_SERVING: value}}})  # fmt: skip
+
+    async def _retire(self, job: dict[str, Any], why: str) -> str | None:
+        """Take one step towards a stopped head job; None once it is gone, else where it is."""
+        name, sid = job["metadata"]["name"], submission_id(job)
+        annotations = job["metadata"].get("annotations") or {}
+        started = annotation_time(job, c.ANNOTATION_RETIRE_STARTED)
+        requested = annotation_time(job, c.ANNOTATION_STOP_REQUESTED)
+        head_uid = self.head_pod["metadata"]["uid"] if self.head_pod else None
+        lookup = await self.ray_jobs.lookup(self.ns, self.cluster, sid) if head_uid else None
+        drain = self.spec.launch.drain_seconds
+        step, detail = stop_step(
+            head_uid, annotations.get(c.ANNOTATION_HEAD_POD_UID), lookup, started, requested,
+            self.st.now, drain, self.cfg.stop_confirm_seconds,
+        )  # fmt: skip
+        if step is StopStep.STOP:
+            result = await self.ray_jobs.stop(self.ns, self.cluster, sid)
+            requested = self.st.now if result.delivered else None
+            detail = result.detail
+        if step in (StopStep.DELETE, StopStep.GIVE_UP):
+            await self.kube.delete(RAYJOB, self.ns, name)
+            if step is StopStep.GIVE_UP:
+                self.st.event(c.EVENT_WARNING, c.REASON_JOB_STOP_UNCONFIRMED,
+                              f"Could not confirm that Ray job {sid} of head job {name} ended "
+                              f"({detail}); deleted the RayJob and going ahead: a next launch "
+                              "fails at once if old engines still hold the GPUs")  # fmt: skip
+            else:
+                self.st.event(c.EVENT_NORMAL, c.REASON_JOB_STOPPED,
+                              f"Head job {name} has ended ({detail}); deleted its RayJob")
+            return None
+        marks = {}
+        if started is None:
+            marks[c.ANNOTATION_RETIRE_STARTED] = rfc3339(self.st.now)
+            self.st.event(c.EVENT_NORMAL, c.REASON_JOB_STOPPING,
+                          f"Stopping head job {name} because {why}: the API Service stops "
+                          f"routing to it, and in-flight requests get {drain}s ({detail})")
+        if requested is not None and c.ANNOTATION_STOP_REQUESTED not in annotations:
+            marks[c.ANNOTATION_STOP_REQUESTED] = rfc3339(requested)
+        if marks:
+            await self.kube.patch(RAYJOB, self.ns, name, {"metadata": {"annotations": marks}})
+        return f"stopping head job {name} because {why} ({detail})"
+
+    def _backoff_left(self) -> float:
+        failures = self.st.doc["consecutiveFailures"]
+        failed_at = parse_rfc3339(self.st.doc.get("lastFailureTime"))
+        if failures <= 0 or failed_at is None:
+            return 0.0
+        return self.cfg.backoff(failures) - (self.st.now - failed_at).total_seconds()
+
+    def _not_running(self, reason: str, phase: str, message: str) -> None:
+        self.st.cond(c.COND_HEAD_JOB_RUNNING, False, reason, message)
+        self.st.cond(c.COND_READY, False, reason, message)
+        self.st.phase(phase, message)
+
+    async def _launch_or_wait(self, waiting: list[str]) -> None:
+        doc = self.st.doc
+        failures, left = doc["consecutiveFailures"], self._backoff_left()
+        failed = (f"Head job {doc['lastFailedJob']} failed ({doc.get('lastFailureReason')}); "
+                  if failures and doc.get("lastFailedJob") else "")  # fmt: skip
+        if waiting:
+            phase = c.PHASE_BACKOFF if failures else c.PHASE_LAUNCHING
+            self._not_running(c.REASON_JOB_STOPPING, phase,
+                              f"{failed}{'; '.join(waiting)}; the next launch waits for that")
+            return
+        if left > 0:
+            self._not_running(c.REASON_JOB_BACKOFF, c.PHASE_BACKOFF,
+                              f"{failed}relaunching in {left:.0f}s (failure {failures} in a row,"
+                              f" backoff {self.cfg.backoff(failures):.0f}s)")  # fmt: skip
+            return
+        if self.head_pod is None:
+            self._not_running(c.REASON_WAITING_FOR_NODES, c.PHASE_PROVISIONING,
+                              f"Waiting for the Ray head pod of {self.cluster}")
+            return
+        attempt = doc["launchAttempts"] + 1
+        body = build_head_job(
+            self.res.name, self.ns, self.spec, self.plan, self.cluster, attempt,
+            owner_reference(self.res.name, self.res.uid), self.head_pod["metadata"]["uid"],
+        )  # fmt: skip
+        with contextlib.suppress(AlreadyExists):  # an earlier, interrupted reconcile made it
+            await self.kube.create(RAYJOB, self.ns, body)
+        name = body["metadata"]["name"]
+        reason = c.REASON_JOB_RELAUNCH if attempt > 1 else c.REASON_JOB_CREATED
+        self.st.event(c.EVENT_NORMAL, reason, f"Created head job {name} on {self.cluster}")
+        doc.update(headJob=name, launchAttempts=attempt)
+        self._not_running(c.REASON_JOB_PENDING, c.PHASE_LAUNCHING,
+                          f"Head job {name} submitted; waiting for vLLM to load {self.plan.model}")
+
+    def _report(self, job: dict[str, Any], waiting: list[str]) -> None:
+        name, st = job["metadata"]["name"], self.st
+        st.doc["headJob"] = name
+        running = job_state(job) is JobState.RUNNING
+        st.cond(c.COND_HEAD_JOB_RUNNING, running,
+                c.REASON_JOB_RUNNING if running else c.REASON_JOB_PENDING,
+                f"Head job {name}: {job_failure_detail(job)}")  # fmt: skip
+        if self.health.ok and not waiting:
+            if self.res.status.get("phase") != c.PHASE_SERVING:
+                st.event(c.EVENT_NORMAL, c.REASON_HEALTHY, f"vLLM answers /health: "
+                         f"{self.health.detail}")  # fmt: skip
+            st.doc.update(consecutiveFailures=0, servedJob=name)
+            st.cond(c.COND_READY, True, c.REASON_HEALTHY, self.health.detail)
+            st.phase(c.PHASE_SERVING, f"Serving {self.plan.model} with DP="
+                     f"{self.plan.data_parallel_size}")  # fmt: skip
+            return
+        if waiting:
+            message = f"Head job {name} waits: {'; '.join(waiting)}"
+        elif st.doc.get("servedJob") == name:
+            message = f"Head job {name} served, but /health is not answering now " \
+                      f"({self.health.detail})"
+        else:
+            created = parse_rfc3339(job["metadata"].get("creationTimestamp")) or st.now
+            deadline = created + timedelta(seconds=self.spec.launch.timeout_seconds)
+            message = (f"Head job {name} is starting vLLM; /health not answering yet, "
+                       f"{max(0.0, (deadline - st.now).total_seconds()):.0f}s to the launch "
+                       f"deadline; now {launch_stage(job, self.health.detail)}")  # fmt: skip
+        st.cond(c.COND_READY, False, c.REASON_NOT_HEALTHY, message)
+        st.phase(c.PHASE_LAUNCHING, message)

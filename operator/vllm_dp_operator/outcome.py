@@ -1,0 +1,93 @@
+"""What one reconcile reads (the resource) and writes (status, events)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from vllm_dp_operator.status import set_condition
+
+
+@dataclass(frozen=True)
+class Resource:
+    """The parts of a VLLMDataParallel object the reconcile reads."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: Mapping[str, Any]
+    status: Mapping[str, Any]
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Resource:
+        """Build from a raw object as kopf or the API hands it over."""
+        meta = body["metadata"]
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta["uid"],
+            generation=int(meta.get("generation") or 0),
+            spec=body.get("spec") or {},
+            status=body.get("status") or {},
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """An event to post on the resource."""
+
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass
+class Outcome:
+    """The status to write and the events to post after one reconcile."""
+
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+
+
+# Status keys carried over from one reconcile to the next (the rest is recomputed).
+_CARRIED = ("lastFailedJob", "lastFailureTime", "lastFailureReason", "headJob", "servedJob")
+
+
+class StatusDoc:
+    """Accumulates the status document; conditions flip through one helper."""
+
+    def __init__(self, res: Resource, now: datetime) -> None:
+        self.now = now
+        self.generation = res.generation
+        prev = res.status
+        self.prev = prev
+        self.doc: dict[str, Any] = {
+            "observedGeneration": res.generation,
+            "conditions": list(prev.get("conditions") or []),
+            "launchAttempts": int(prev.get("launchAttempts") or 0),
+            "consecutiveFailures": int(prev.get("consecutiveFailures") or 0),
+            **{key: prev.get(key) for key in _CARRIED},
+        }
+        self.events: list[Event] = []
+
+    def cond(self, type_: str, ok: bool | None, reason: str, message: str) -> None:
+        """Set one condition; its transition time moves only when its status flips."""
+        self.doc["conditions"] = set_condition(
+            self.doc["conditions"], type_, ok, reason, message, self.generation, self.now
+        )
+
+    def phase(self, phase: str, message: str) -> None:
+        """Set the phase and the message that explains it."""
+        self.doc["phase"] = phase
+        self.doc["message"] = message
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Queue an event to post on the resource."""
+        self.events.append(Event(type_, reason, message))
+
+    def outcome(self) -> Outcome:
+        """The status and events of this reconcile."""
+        return Outcome(self.doc, self.events)

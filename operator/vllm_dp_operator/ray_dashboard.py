@@ -1,0 +1,85 @@
+"""The Ray dashboard's job API on the head pod: is a head job's Ray job still alive, stop it.
+
+KubeRay's RayJob finalizer calls the same stop endpoint, but removes itself whether or not
+the stop worked, and skips it once the RayJob's status is terminal. The operator asks and
+stops on its own, and starts the next launch only when the old Ray job has ended.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import quote
+
+from vllm_dp_operator import constants, names
+from vllm_dp_operator.transport import ServiceTransport
+
+# Ray job statuses (ray.dashboard.modules.job.common.JobStatus) in which no process runs.
+ENDED_STATUSES = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
+NOT_FOUND = "NOT_FOUND"  # the dashboard does not know the job: never submitted, or lost
+UNKNOWN = "UNKNOWN"  # the dashboard did not answer
+
+
+@dataclass(frozen=True)
+class RayJobLookup:
+    """What the dashboard says of one Ray job."""
+
+    state: str  # a Ray job status, NOT_FOUND or UNKNOWN
+    detail: str
+
+    @property
+    def ended(self) -> bool:
+        """No process of the job runs: it ended, or this head has never known it."""
+        return self.state in ENDED_STATUSES or self.state == NOT_FOUND
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """Whether the dashboard took a stop request."""
+
+    delivered: bool
+    detail: str
+
+
+class RayJobs(Protocol):
+    """The part of the Ray job API the operator uses."""
+
+    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
+        """The status of one Ray job on the cluster's head."""
+        ...
+
+    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
+        """Ask the head to stop one Ray job (SIGTERM, then SIGKILL after its wait time)."""
+        ...
+
+
+class DashboardJobs:
+    """RayJobs over the dashboard port of KubeRay's head Service."""
+
+    def __init__(self, transport: ServiceTransport) -> None:
+        self._transport = transport
+
+    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
+        """GET /api/jobs/<submission_id>."""
+        answer = await self._transport.request(
+            "GET", namespace, names.head_service(cluster), constants.RAY_DASHBOARD_PORT,
+            f"/api/jobs/{quote(submission_id, safe='')}",
+        )  # fmt: skip
+        if answer.status == 404:
+            return RayJobLookup(NOT_FOUND, answer.detail)
+        if answer.status == 200:
+            try:
+                state = str(json.loads(answer.body)["status"])
+            except (ValueError, KeyError, TypeError):
+                return RayJobLookup(UNKNOWN, f"{answer.detail}: not a Ray job: {answer.body!r}")
+            return RayJobLookup(state, f"{answer.detail}: Ray job {state}")
+        return RayJobLookup(UNKNOWN, answer.detail)
+
+    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
+        """POST /api/jobs/<submission_id>/stop."""
+        answer = await self._transport.request(
+            "POST", namespace, names.head_service(cluster), constants.RAY_DASHBOARD_PORT,
+            f"/api/jobs/{quote(submission_id, safe='')}/stop",
+        )  # fmt: skip
+        return StopResult(answer.ok, answer.detail)

@@ -1,0 +1,148 @@
+"""HTTP to a port of a Service: by cluster DNS in the cluster, or through the API server.
+
+vLLM's /health and the Ray dashboard's job API both sit on the Ray head pod behind KubeRay's
+head Service; the probe and the Ray job client share this one way of reaching them, and so
+the same RBAC (`services/proxy` get and create in apiserver-proxy mode).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+from kubernetes_asyncio import client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One HTTP exchange with the pod behind a Service."""
+
+    status: int | None  # the pod's HTTP status; None when the pod was not reached
+    body: str
+    detail: str  # what happened, for status messages and events
+
+    @property
+    def ok(self) -> bool:
+        """The pod answered with a 2xx status."""
+        return self.status is not None and 200 <= self.status < 300
+
+
+class ServiceTransport(Protocol):
+    """Sends one request to a port of a Service and says what came back."""
+
+    async def request(
+        self, method: str, namespace: str, service: str, port: int, path: str
+    ) -> Answer:
+        """Send `method path` to service:port in namespace, within the timeout."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class ServiceDnsTransport:
+    """In the cluster: http://<service>.<namespace>.svc:<port><path>."""
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def request(
+        self, method: str, namespace: str, service: str, port: int, path: str
+    ) -> Answer:
+        """Send `method path` to service:port in namespace, within the timeout."""
+        url = f"http://{service}.{namespace}.svc:{port}{path}"
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with self._session.request(method, url) as resp:
+                body = await resp.text(errors="replace")
+                return Answer(resp.status, body, f"{method} {url}: HTTP {resp.status}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return Answer(None, "", f"{method} {url}: {type(exc).__name__} {exc}".strip())
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _api_server_status(body: str) -> str | None:
+    """The message of a Status object the API server wrote itself, else None (pod's answer)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(doc, dict) and doc.get("kind") == "Status" and doc.get("apiVersion") == "v1":
+        return str(doc.get("message") or doc.get("reason") or "")
+    return None
+
+
+class ApiServerProxyTransport:
+    """Outside the pod network: the API server's services/<service>:<port>/proxy<path>."""
+
+    def __init__(self, api: client.ApiClient, timeout: float) -> None:
+        self._api = api
+        self._timeout = timeout
+
+    async def request(
+        self, method: str, namespace: str, service: str, port: int, path: str
+    ) -> Answer:
+        """Send `method path` to service:port in namespace, within the timeout."""
+        url = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy{path}"
+        try:
+            resp = await self._api.call_api(
+                url, method,
+                header_params={"Accept": "*/*"},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )  # fmt: skip
+            try:
+                status, body = resp.status, (await resp.read()).decode("utf-8", "replace")
+            finally:
+                resp.release()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return Answer(None, "", f"{method} {url}: {type(exc).__name__}")
+        own = _api_server_status(body) if status >= 400 else None
+        if own is not None:
+            # The API server answered for itself (no endpoint, pod refused, RBAC): not the pod.
+            log.warning("%s %s: the API server answered HTTP %s: %s", method, url, status, own)
+            return Answer(None, body, f"{method} {url}: HTTP {status} {own}".strip())
+        return Answer(status, body, f"{method} {url}: HTTP {status}")
+
+    async def close(self) -> None:
+        """Nothing to release: the API client belongs to the Kube seam."""
+
+
+class DisabledTransport:
+    """No access to the pods' HTTP ports (VLLMDP_HEALTH_PROBE=off)."""
+
+    async def request(
+        self, method: str, namespace: str, service: str, port: int, path: str
+    ) -> Answer:
+        """Never reaches the pod, saying why."""
+        return Answer(None, "", "pod HTTP access disabled (VLLMDP_HEALTH_PROBE=off)")
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+def make_transport(mode: str, api: client.ApiClient, timeout: float) -> ServiceTransport:
+    """The transport for a VLLMDP_HEALTH_PROBE setting."""
+    if mode == "service-dns":
+        return ServiceDnsTransport(timeout)
+    if mode == "apiserver-proxy":
+        return ApiServerProxyTransport(api, timeout)
+    if mode == "off":
+        return DisabledTransport()
+    raise ValueError(
+        f"VLLMDP_HEALTH_PROBE={mode!r}: expected service-dns, apiserver-proxy or off"
+    )

@@ -1,0 +1,199 @@
+"""Head-job lifecycle decisions: failures, the launch deadline, and stopping a head job for
+real before the next one, driven through the reconcile with the Kube seam, /health and the Ray
+job API faked."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.kube import POD
+from world import World, launch_plan, launched, serving, spec
+
+
+async def _failed_world() -> World:
+    w = await launched()
+    w.run("demo-j00001")
+    w.ray.jobs["demo-j00001"] = "FAILED"
+    w.job_status("demo-j00001", jobStatus="FAILED", jobDeploymentStatus="Failed",
+                 message="vllm serve exited 1")  # fmt: skip
+    return w
+
+
+async def test_failed_head_job_warns_counts_and_relaunches_after_backoff() -> None:
+    w = await _failed_world()
+    await w.step()
+    assert w.status["phase"] == c.PHASE_BACKOFF
+    assert w.status["consecutiveFailures"] == 1
+    assert "vllm serve exited 1" in w.status["lastFailureReason"]
+    warnings = [e for e in w.events if e[0] == c.EVENT_WARNING]
+    assert [e[1] for e in warnings] == [c.REASON_JOB_FAILED]
+    # The dashboard confirms the Ray job ended, so its RayJob goes; no relaunch in backoff.
+    assert w.jobs() == [] and c.REASON_JOB_STOPPED in w.reasons()
+    await w.step(advance=5)
+    assert w.jobs() == [] and w.status["consecutiveFailures"] == 1  # counted once
+    assert "relaunching in 5s" in w.status["message"]
+    await w.step(advance=6)
+    assert w.job_names() == ["demo-j00002"]
+    assert w.status["launchAttempts"] == 2 and w.status["phase"] == c.PHASE_LAUNCHING
+    assert c.REASON_JOB_RELAUNCH in w.reasons()
+
+
+async def test_backoff_doubles_and_is_capped() -> None:
+    w = await _failed_world()
+    waits = []
+    for attempt in range(1, 6):
+        await w.step()
+        failed_at = w.now
+        while not w.job_names():
+            await w.step(advance=1)
+        waits.append(round((w.now - failed_at).total_seconds()))
+        name = f"demo-j0000{attempt + 1}"
+        assert w.job_names() == [name]
+        w.job_status(name, jobStatus="FAILED")
+    assert waits == [10, 20, 40, 40, 40]
+    assert w.status["consecutiveFailures"] == 5
+
+
+@pytest.mark.parametrize(
+    ("status", "fragment"),
+    [
+        ({"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}, "exit status 0"),
+        ({"jobDeploymentStatus": "Complete"}, "exit status 0"),
+        ({"jobStatus": "STOPPED"}, "stopped by something other than this operator"),
+        ({"jobDeploymentStatus": "ValidationFailed", "message": "name too long"},
+         "KubeRay rejected the RayJob (ValidationFailed: name too long)"),
+    ],
+)
+async def test_any_ended_serving_job_is_a_failure_with_the_reason(
+    status: dict[str, str], fragment: str
+) -> None:
+    # A dead DP engine makes vLLM exit 0 (vllm#48966): a SUCCEEDED head job is no success.
+    w = await serving()
+    w.ray.jobs["demo-j00001"] = status.get("jobStatus", "SUCCEEDED")
+    w.job_status("demo-j00001", **status)
+    await w.step()
+    assert w.status["phase"] == c.PHASE_BACKOFF
+    assert w.status["consecutiveFailures"] == 1
+    assert fragment in w.status["lastFailureReason"]
+    assert fragment in w.status["message"]
+    assert w.serving_label() is None
+    assert any(e[1] == c.REASON_JOB_FAILED and fragment in e[2] for e in w.events)
+
+
+async def test_serving_resets_failure_count() -> None:
+    w = await _failed_world()
+    await w.step()
+    await w.step(advance=11)
+    w.run("demo-j00002")
+    w.probe.ok = True
+    await w.step()
+    assert w.status["phase"] == c.PHASE_SERVING and w.status["consecutiveFailures"] == 0
+    assert w.job_names() == ["demo-j00002"]
+
+
+async def test_engine_change_stops_the_old_ray_job_and_confirms_before_the_next() -> None:
+    w = await serving(spec(launch={"drainSeconds": 30}))
+    cluster_before = w.clusters()[0]["metadata"]["name"]
+    w.update(spec(engineArgs=["--max-model-len", "8192"], launch={"drainSeconds": 30}))
+    await w.step()
+    # Drain first: the Service stops routing to the head, then Ray is asked to stop the job.
+    assert w.serving_label() is None
+    assert w.ray.stops == ["demo-j00001"]
+    assert w.job_names() == ["demo-j00001"]  # no new job while the old one may still run
+    old = w.jobs()[0]["metadata"]["annotations"]
+    assert c.ANNOTATION_STOP_REQUESTED in old and c.ANNOTATION_RETIRE_STARTED in old
+    assert c.REASON_JOB_STOPPING in w.reasons()
+    assert w.status["phase"] == c.PHASE_LAUNCHING and "stopping head job demo-j00001" in (
+        w.status["message"])
+    await w.step(advance=10)
+    assert w.job_names() == ["demo-j00001"] and w.ray.stops == ["demo-j00001"]  # asked once
+    w.ray.jobs["demo-j00001"] = "STOPPED"  # Ray's SIGTERM (or SIGKILL after the drain) landed
+    await w.step(advance=1)
+    assert w.job_names() == ["demo-j00002"]
+    (job,) = w.jobs()
+    assert "--max-model-len" in launch_plan(job)["command"]
+    assert [cl["metadata"]["name"] for cl in w.clusters()] == [cluster_before]
+    writes = [(v, n) for v, kind, n in w.kube.writes if kind == "rayjobs"]
+    assert writes.index(("delete", "demo-j00001")) < writes.index(("create", "demo-j00002"))
+    assert c.REASON_JOB_STOPPED in w.reasons()
+
+
+async def test_delivered_stop_waits_drain_plus_confirm_then_goes_ahead_with_a_warning() -> None:
+    w = await serving(spec(launch={"drainSeconds": 30}))
+    w.update(spec(engineArgs=["--enforce-eager"], launch={"drainSeconds": 30}))
+    await w.step()
+    assert w.ray.stops == ["demo-j00001"]  # delivered, but Ray never reports the end
+    await w.step(advance=49)  # drain 30 + confirm 20 not yet over
+    assert w.job_names() == ["demo-j00001"]
+    await w.step(advance=2)
+    assert w.job_names() == ["demo-j00002"]
+    warning = next(e for e in w.events if e[1] == c.REASON_JOB_STOP_UNCONFIRMED)
+    assert warning[0] == c.EVENT_WARNING and "demo-j00001" in warning[2]
+
+
+async def test_unreachable_dashboard_never_blocks_a_relaunch_forever() -> None:
+    w = await serving()
+    w.ray.reachable = False
+    w.update(spec(engineArgs=["--enforce-eager"]))
+    await w.step()
+    assert w.ray.stops == [] and w.job_names() == ["demo-j00001"]
+    await w.step(advance=19)
+    assert w.job_names() == ["demo-j00001"]
+    await w.step(advance=2)  # confirm_seconds (20) without an answer: go ahead, say so
+    assert w.job_names() == ["demo-j00002"]
+    assert c.REASON_JOB_STOP_UNCONFIRMED in w.reasons()
+
+
+async def test_a_replaced_head_pod_took_the_old_ray_job_with_it() -> None:
+    w = await serving()
+    cluster = w.status["rayCluster"]
+    w.kube.objects.pop((POD, "default", f"{cluster}-head-0"))
+    w.new_head_pod(cluster, index=1)  # KubeRay made a new head: new UID, fresh Ray
+    w.ray.reachable = False  # its dashboard is not up yet
+    w.update(spec(engineArgs=["--enforce-eager"]))
+    await w.step()
+    assert w.job_names() == ["demo-j00002"]
+    job = w.jobs()[0]
+    assert job["metadata"]["annotations"][c.ANNOTATION_HEAD_POD_UID] == f"uid-head-{cluster}-1"
+    assert "replaced" in next(e[2] for e in w.events if e[1] == c.REASON_JOB_STOPPED)
+
+
+@pytest.mark.parametrize(
+    ("status", "health_ok", "stage"),
+    [
+        ({}, False, "KubeRay had not submitted it"),
+        ({"jobDeploymentStatus": "Running"}, False, "the Ray dashboard had not accepted it"),
+        ({"jobDeploymentStatus": "Running", "jobStatus": "PENDING"}, False,
+         "its Ray job was pending"),
+        ({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}, False,
+         "vLLM did not answer /health"),
+    ],
+)
+async def test_launch_deadline_stops_the_job_and_names_the_stage(
+    status: dict[str, str], health_ok: bool, stage: str
+) -> None:
+    w = await launched(spec(launch={"timeoutSeconds": 60}))
+    w.job_status("demo-j00001", **status)
+    if status.get("jobStatus") in ("PENDING", "RUNNING"):
+        w.ray.jobs["demo-j00001"] = status["jobStatus"]
+    await w.step(advance=59)
+    assert w.status["phase"] == c.PHASE_LAUNCHING and w.status["consecutiveFailures"] == 0
+    assert stage in w.status["message"]  # the status says where it is before the deadline too
+    await w.step(advance=2)
+    assert w.status["consecutiveFailures"] == 1
+    assert "spec.launch.timeoutSeconds (60s)" in w.status["lastFailureReason"]
+    assert stage in w.status["lastFailureReason"]
+    event = next(e for e in w.events if e[1] == c.REASON_JOB_TIMED_OUT)
+    assert event[0] == c.EVENT_WARNING and stage in event[2]
+    if "demo-j00001" in w.ray.jobs:
+        assert w.ray.stops == ["demo-j00001"]  # stopped for real before any relaunch
+        w.ray.jobs["demo-j00001"] = "STOPPED"
+    await w.step(advance=11)
+    assert w.job_names() == ["demo-j00002"]  # relaunched after the backoff
+
+
+async def test_launch_deadline_does_not_apply_once_served() -> None:
+    w = await serving(spec(launch={"timeoutSeconds": 60}))
+    w.probe.ok = False  # a served engine that stops answering is not a slow launch
+    await w.step(advance=3600)
+    assert w.status["consecutiveFailures"] == 0 and w.job_names() == ["demo-j00001"]

@@ -1,0 +1,161 @@
+"""The API-server proxy transport, the /health probe and the Ray job client over it, against
+a local HTTP stand-in for the API server (a test double serving only the proxy paths).
+
+What must hold: the exact proxy paths; a pod's own answer (vLLM's 503, Ray's 404) told apart
+from the API server answering for itself (a Status object: no endpoint, pod refused, RBAC).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from kubernetes_asyncio import client
+from vllm_dp_operator.probe import TransportProbe
+from vllm_dp_operator.ray_dashboard import NOT_FOUND, UNKNOWN, DashboardJobs
+from vllm_dp_operator.transport import (
+    ApiServerProxyTransport,
+    DisabledTransport,
+    ServiceDnsTransport,
+    make_transport,
+)
+
+SVC = "/api/v1/namespaces/ns1/services"
+HEALTH = f"{SVC}/demo-abcde-head-svc:8000/proxy/health"
+JOB = f"{SVC}/demo-abcde-head-svc:8265/proxy/api/jobs/demo-j00001"
+
+
+def _status(code: int, message: str) -> web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+            "code": code}  # fmt: skip
+    return web.json_response(body, status=code)
+
+
+@pytest.fixture
+async def apiserver() -> AsyncIterator[dict[str, Any]]:
+    state: dict[str, Any] = {"health": 200, "job": "RUNNING", "hits": [], "own": None}
+
+    async def handle(request: web.Request) -> web.Response:
+        state["hits"].append(f"{request.method} {request.path}")
+        if state["own"] is not None:  # the API server answers for itself
+            return _status(*state["own"])
+        if request.path == HEALTH:
+            return web.Response(status=state["health"], text="")
+        if request.path == JOB and request.method == "GET":
+            if state["job"] is None:
+                return web.Response(status=404, text="Job demo-j00001 does not exist")
+            return web.json_response({"submission_id": "demo-j00001", "status": state["job"]})
+        if request.path == f"{JOB}/stop" and request.method == "POST":
+            state["job"] = "STOPPED"
+            return web.json_response({"stopped": True})
+        return _status(404, "services \"other\" not found")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    state["url"] = f"http://127.0.0.1:{port}"
+    yield state
+    await runner.cleanup()
+
+
+def _api(url: str) -> client.ApiClient:
+    return client.ApiClient(configuration=client.Configuration(host=url))
+
+
+async def test_probe_healthy_on_200_through_the_head_service(apiserver: dict[str, Any]) -> None:
+    async with _api(apiserver["url"]) as api:
+        probe = TransportProbe(ApiServerProxyTransport(api, 2))
+        result = await probe.check("ns1", "demo-abcde-head-svc", 8000)
+    assert result.ok and apiserver["hits"] == [f"GET {HEALTH}"]
+
+
+async def test_probe_not_healthy_on_the_pods_503(apiserver: dict[str, Any]) -> None:
+    apiserver["health"] = 503
+    async with _api(apiserver["url"]) as api:
+        result = await TransportProbe(ApiServerProxyTransport(api, 2)).check(
+            "ns1", "demo-abcde-head-svc", 8000)  # fmt: skip
+    assert not result.ok and "503" in result.detail
+
+
+async def test_api_server_status_is_not_the_pods_answer(apiserver: dict[str, Any]) -> None:
+    apiserver["own"] = (503, "error trying to reach service: connect: connection refused")
+    async with _api(apiserver["url"]) as api:
+        answer = await ApiServerProxyTransport(api, 2).request(
+            "GET", "ns1", "demo-abcde-head-svc", 8265, "/api/jobs/demo-j00001")  # fmt: skip
+    assert answer.status is None and not answer.ok
+    assert "connection refused" in answer.detail
+
+
+async def test_ray_job_lookup_running_then_stop_then_stopped(apiserver: dict[str, Any]) -> None:
+    async with _api(apiserver["url"]) as api:
+        jobs = DashboardJobs(ApiServerProxyTransport(api, 2))
+        first = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
+        stop = await jobs.stop("ns1", "demo-abcde", "demo-j00001")
+        after = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
+    assert first.state == "RUNNING" and not first.ended
+    assert stop.delivered
+    assert after.state == "STOPPED" and after.ended
+    assert apiserver["hits"] == [f"GET {JOB}", f"POST {JOB}/stop", f"GET {JOB}"]
+
+
+async def test_ray_404_means_not_found_but_api_server_404_is_unknown(
+    apiserver: dict[str, Any],
+) -> None:
+    apiserver["job"] = None
+    async with _api(apiserver["url"]) as api:
+        jobs = DashboardJobs(ApiServerProxyTransport(api, 2))
+        missing = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
+        apiserver["own"] = (404, 'services "demo-abcde-head-svc" not found')
+        no_service = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
+        stop = await jobs.stop("ns1", "demo-abcde", "demo-j00001")
+    assert missing.state == NOT_FOUND and missing.ended
+    assert no_service.state == UNKNOWN and not no_service.ended
+    assert not stop.delivered
+
+
+async def test_forbidden_proxy_is_unknown_and_logged(
+    apiserver: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    apiserver["own"] = (403, 'services "demo-abcde-head-svc" is forbidden: cannot create '
+                             "resource \"services/proxy\"")  # fmt: skip
+    async with _api(apiserver["url"]) as api:
+        stop = await DashboardJobs(ApiServerProxyTransport(api, 2)).stop(
+            "ns1", "demo-abcde", "demo-j00001")  # fmt: skip
+    assert not stop.delivered and "403" in stop.detail
+    assert any("forbidden" in r.getMessage() for r in caplog.records)
+
+
+async def test_unreachable_api_server_reads_as_unknown() -> None:
+    async with _api("http://127.0.0.1:9") as api:
+        lookup = await DashboardJobs(ApiServerProxyTransport(api, 1)).lookup(
+            "ns1", "demo-abcde", "demo-j00001")  # fmt: skip
+        health = await TransportProbe(ApiServerProxyTransport(api, 1)).check("ns1", "s", 8000)
+    assert lookup.state == UNKNOWN and not health.ok
+
+
+async def test_make_transport_modes() -> None:
+    async with _api("http://127.0.0.1:9") as api:
+        assert isinstance(make_transport("apiserver-proxy", api, 1), ApiServerProxyTransport)
+        assert isinstance(make_transport("service-dns", api, 1), ServiceDnsTransport)
+        off = make_transport("off", api, 1)
+        assert isinstance(off, DisabledTransport)
+        assert not (await TransportProbe(off).check("a", "b", 1)).ok
+        assert (await DashboardJobs(off).lookup("a", "b", "c")).state == UNKNOWN
+        with pytest.raises(ValueError, match="VLLMDP_HEALTH_PROBE"):
+            make_transport("bogus", api, 1)
+
+
+async def test_service_dns_transport_closes_its_session() -> None:
+    transport = ServiceDnsTransport(0.5)
+    answer = await transport.request("GET", "ns1", "nowhere.invalid", 1, "/health")
+    assert answer.status is None
+    await transport.close()
+    assert transport._session is None
+    json.dumps(answer.detail)  # a plain string for status messages

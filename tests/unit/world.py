@@ -1,0 +1,175 @@
+"""A faked world for reconcile tests: the Kube seam, /health and the Ray job API as test doubles.
+
+FakeKube stands in for the API server, FakeProbe for vLLM's /health and FakeRayJobs for the
+Ray dashboard's job API; World plays KubeRay (cluster readiness, head pods, RayJob status).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from fake_kube import FakeKube
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.config import Config
+from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB
+from vllm_dp_operator.probe import ProbeResult
+from vllm_dp_operator.ray_dashboard import NOT_FOUND, UNKNOWN, RayJobLookup, StopResult
+from vllm_dp_operator.reconcile import Outcome, Resource, reconcile
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+CFG = Config(backoff_base_seconds=10, backoff_cap_seconds=40, stop_confirm_seconds=20)
+
+
+class FakeProbe:
+    """Test double for the health probe: answers what the test sets."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.calls: list[str] = []
+
+    async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
+        self.calls.append(f"{service}:{port}")
+        return ProbeResult(self.ok, f"probe {service}:{port} ok={self.ok}")
+
+
+class FakeRayJobs:
+    """Test double for the Ray dashboard's job API: one head, jobs by submission id."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, str] = {}  # submission id -> Ray job status
+        self.reachable = True
+        self.stops: list[str] = []
+
+    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
+        if not self.reachable:
+            return RayJobLookup(UNKNOWN, "dashboard: connection refused")
+        state = self.jobs.get(submission_id, NOT_FOUND)
+        return RayJobLookup(state, f"dashboard: {submission_id} {state}")
+
+    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
+        if not self.reachable:
+            return StopResult(False, "dashboard: connection refused")
+        self.stops.append(submission_id)
+        return StopResult(submission_id in self.jobs, f"dashboard: stop {submission_id}")
+
+
+def launch_plan(job: dict[str, Any]) -> dict[str, Any]:
+    """The launch plan a head job carries (base64 JSON after --plan-b64)."""
+    argv = job["spec"]["entrypoint"].split()
+    plan: dict[str, Any] = json.loads(base64.b64decode(argv[argv.index("--plan-b64") + 1]))
+    return plan
+
+
+def spec(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": "Qwen/Qwen2.5-7B-Instruct",
+        "dataParallel": {"size": 8, "ranksPerNode": 4},
+    }
+    base.update(over)
+    return base
+
+
+class World:
+    """A resource, its status as kopf would persist it, and the faked cluster around it."""
+
+    def __init__(self, raw_spec: dict[str, Any] | None = None) -> None:
+        self.now = T0
+        self.kube = FakeKube(clock=lambda: self.now)
+        self.probe = FakeProbe()
+        self.ray = FakeRayJobs()
+        self.spec = raw_spec or spec()
+        self.status: dict[str, Any] = {}
+        self.generation = 1
+        self.events: list[tuple[str, str, str]] = []
+
+    async def step(self, advance: float = 0.0) -> Outcome:
+        self.now += timedelta(seconds=advance)
+        res = Resource("demo", "default", "uid-demo", self.generation, self.spec, self.status)
+        out = await reconcile(res, self.kube, self.probe, self.ray, CFG, self.now)
+        self.status = {k: v for k, v in out.status.items() if v is not None}
+        self.events += [(e.type, e.reason, e.message) for e in out.events]
+        return out
+
+    def update(self, raw_spec: dict[str, Any]) -> None:
+        self.spec = raw_spec
+        self.generation += 1
+
+    def clusters(self) -> list[dict[str, Any]]:
+        return self.kube.named(RAYCLUSTER)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self.kube.named(RAYJOB)
+
+    def job_names(self) -> list[str]:
+        return [j["metadata"]["name"] for j in self.jobs()]
+
+    def cluster_ready(self) -> None:
+        """Play KubeRay: every cluster ready, with a head pod."""
+        for cluster in self.clusters():
+            name = cluster["metadata"]["name"]
+            groups = cluster["spec"]["workerGroupSpecs"]
+            workers = groups[0]["replicas"] if groups else 0
+            self.kube.set_status(RAYCLUSTER, "default", name, {
+                "state": "ready",
+                "readyWorkerReplicas": workers,
+                "conditions": [
+                    {"type": "HeadPodReady", "status": "True"},
+                    {"type": "RayClusterProvisioned", "status": "True"},
+                ],
+            })  # fmt: skip
+            if not self.head_pod(name):
+                self.new_head_pod(name)
+
+    def new_head_pod(self, cluster: str, index: int = 0) -> None:
+        self.kube.objects[(POD, "default", f"{cluster}-head-{index}")] = {
+            "metadata": {"name": f"{cluster}-head-{index}", "uid": f"uid-head-{cluster}-{index}",
+                         "labels": {c.LABEL_RAY_CLUSTER: cluster, c.LABEL_RAY_NODE_TYPE: "head"}},
+            "status": {"phase": "Running"},
+        }  # fmt: skip
+
+    def head_pod(self, cluster: str | None = None) -> dict[str, Any] | None:
+        cluster = cluster or self.status["rayCluster"]
+        pods = [p for p in self.kube.named(POD)
+                if p["metadata"]["labels"].get(c.LABEL_RAY_CLUSTER) == cluster]  # fmt: skip
+        return pods[0] if pods else None
+
+    def serving_label(self) -> str | None:
+        pod = self.head_pod()
+        assert pod is not None
+        labels: dict[str, str] = pod["metadata"]["labels"]
+        return labels.get(c.LABEL_SERVING)
+
+    def job_status(self, name: str, **status: str) -> None:
+        self.kube.set_status(RAYJOB, "default", name, status)
+
+    def run(self, name: str) -> None:
+        """Play KubeRay and Ray: the head job's Ray job runs."""
+        self.ray.jobs[name] = "RUNNING"
+        self.job_status(name, jobStatus="RUNNING", jobDeploymentStatus="Running", jobId=name)
+
+    def reasons(self) -> list[str]:
+        return [r for _, r, _ in self.events]
+
+
+async def launched(raw: dict[str, Any] | None = None) -> World:
+    """A world whose cluster is ready and whose first head job has been created."""
+    w = World(raw)
+    await w.step()
+    w.cluster_ready()
+    await w.step()
+    assert w.job_names() == ["demo-j00001"]
+    return w
+
+
+async def serving(raw: dict[str, Any] | None = None) -> World:
+    w = await launched(raw)
+    w.run("demo-j00001")
+    w.probe.ok = True
+    await w.step()
+    assert w.status["phase"] == c.PHASE_SERVING
+    return w
+
+
