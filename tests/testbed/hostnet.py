@@ -12,6 +12,7 @@ overlap the kwok bed's (10.244/16, 10.96/16, 10.0.0.1).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -24,6 +25,7 @@ HOST_PREFIX = "10.202.0."  # addresses on lo
 API_IP = "10.202.0.1"
 DNS_IP = "10.202.0.10"
 BRIDGE_PREFIX = "vllmdp-br"
+CNI_NETWORK_PREFIX = "vllmdp-node-"  # the CNI network of node i is vllmdp-node-<i>
 OUR_CHAINS = re.compile(r"^(KUBE|CNI)-")
 # Set by us (ip_forward, bridge netfilter), by kubelet (vm.*, kernel.*: it tunes them unless
 # protectKernelDefaults) or possibly by kube-proxy; restored by `restore`.
@@ -146,11 +148,32 @@ class HostRecord:
                     write_sysctl(name, value)
                 except OSError as e:
                     problems.append(f"sysctl {name}: cannot restore {value}: {e}")
+        for f in runtime_files(self.path.parent):
+            f.unlink()
         for d in self.absent_dirs:  # deepest first, as listed
             p = Path(d)
             if p.is_dir() and not any(p.iterdir()):
                 p.rmdir()
         return problems
+
+
+def runtime_files(state_root: Path) -> list[Path]:
+    """Files our pods left in shared host directories when their sandbox never went through
+    CNI DEL (the runtime was stopped under them): the CNI result cache of our networks and
+    of those sandboxes' loopback, and kubelet's links to logs under our state dir."""
+    found: list[Path] = []
+    results = Path("/var/lib/cni/results")
+    if results.is_dir():
+        ours = [f for f in results.iterdir() if f.name.startswith(CNI_NETWORK_PREFIX)]
+        sandboxes = {f.name.rsplit("-", 2)[-2] for f in ours}
+        found += ours + [f for f in results.iterdir()
+                         if f.name.startswith("cni-loopback-")
+                         and f.name.rsplit("-", 2)[-2] in sandboxes]  # fmt: skip
+    links = Path("/var/log/containers")
+    if links.is_dir():
+        found += [f for f in links.iterdir()
+                  if f.is_symlink() and os.readlink(f).startswith(f"{state_root}/")]  # fmt: skip
+    return found
 
 
 def _nft_table_empty(table: str) -> bool:

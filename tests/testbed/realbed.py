@@ -220,10 +220,12 @@ def down(st: State) -> list[str]:
     addons.kube_proxy_cleanup(nd)
     problems = [p for n in nodes for p in realnodes.remove_cgroups(n)]
     _unmount_under([st.root, *(n.store for n in nodes)])
-    host = hostnet.HostRecord.load(st.root / "host.json")
+    # Restoring is idempotent: with only the record of an earlier `down`, `down` repairs.
+    restored = st.root / "host.restored.json"
+    host = hostnet.HostRecord.load(st.root / "host.json") or hostnet.HostRecord.load(restored)
     if host is not None:
         problems += host.restore()
-        os.replace(host.path, st.root / "host.restored.json")
+        os.replace(host.path, restored)
     if not [m for m in _mounts() if m.startswith(f"{st.root}/")]:
         shutil.rmtree(st.root / "nodes", ignore_errors=True)
     left = problems + leftovers(st)
@@ -258,6 +260,7 @@ def leftovers(st: State) -> list[str]:
     found += [f"link {link}" for link in hostnet.our_links()]
     found += [f"address {a}" for a in hostnet.addresses_in_our_ranges()]
     found += [f"iptables chain {c}" for c in hostnet.iptables_leftovers()]
+    found += [f"file {f}" for f in hostnet.runtime_files(st.root)]
     record = hostnet.HostRecord.load(st.root / "host.restored.json")
     if record is not None:
         found += [f"sysctl {k}={hostnet.read_sysctl(k)} (was {v})"

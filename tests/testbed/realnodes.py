@@ -23,7 +23,7 @@ from typing import Any
 
 import oci
 from common import cache_root, free_port, http_get, log
-from hostnet import BRIDGE_PREFIX, DNS_IP, node_ip, node_pod_cidr
+from hostnet import BRIDGE_PREFIX, CNI_NETWORK_PREFIX, DNS_IP, node_ip, node_pod_cidr
 from procs import Launcher
 
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -139,7 +139,7 @@ def cni_config(node: Node) -> dict[str, Any]:
             "ranges": [[{"subnet": node.pod_cidr}]], "routes": [{"dst": "0.0.0.0/0"}]}  # fmt: skip
     bridge = {"type": "bridge", "bridge": node.bridge, "isGateway": True, "ipMasq": False,
               "hairpinMode": True, "ipam": ipam}  # fmt: skip
-    return {"cniVersion": "0.4.0", "name": f"vllmdp-{node.name}", "plugins": [bridge]}
+    return {"cniVersion": "0.4.0", "name": f"{CNI_NETWORK_PREFIX}{node.index}", "plugins": [bridge]}
 
 
 def containerd_config(node: Node, sandbox_image: str) -> str:
