@@ -1,17 +1,19 @@
 """Smoke tests of the real-node test bed itself, with only the images it builds (pause, probe):
 real kubelets with the GPU extended resource, containers on every node, pod-to-pod traffic
-across nodes, a ClusterIP Service from the host and from a pod, cluster DNS, the API from a pod
-the in-cluster way, logs and exec through the kubelets, and image import that skips a held
-image."""
+across nodes, a ClusterIP Service from the host and from a pod, cluster DNS (for pods, the host
+and KubeRay), the API from a pod the in-cluster way, logs and exec through the kubelets, and
+image import that skips a held image."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
 import os
+import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -196,3 +198,16 @@ def test_import_skips_an_image_every_node_holds(cluster: RunningCluster) -> None
     out = cluster.import_images(cluster.node_bin_dir / "images" / "probe.tar")
     for name in cluster.node_names:
         assert f"{name}: {PROBE_IMAGE} already there" in out, out
+
+
+def test_kuberay_resolves_cluster_names(cluster: RunningCluster, web: dict[str, Any]) -> None:
+    """KubeRay polls `<cluster>-head-svc.<ns>.svc.cluster.local:8265` for RayJob status, so in
+    its own mount namespace /etc/resolv.conf must lead to CoreDNS (the host's stays as it is)."""
+    pid = json.loads((cluster.state_dir / "pids.json").read_text())["kuberay-operator"]["pid"]
+    seen = Path(f"/proc/{pid}/root/etc/resolv.conf").read_text()
+    assert f"nameserver {cluster.info['dns_ip']}" in seen
+    assert f"nameserver {cluster.info['dns_ip']}" not in Path("/etc/resolv.conf").read_text()
+    name = f"web.{web['ns']}.svc.cluster.local"
+    out = subprocess.run(["nsenter", f"--target={pid}", "--mount", "--", "getent", "hosts", name],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert out.split()[0] == web["cluster_ip"]

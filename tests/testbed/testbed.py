@@ -117,9 +117,9 @@ def _cluster(a: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             realbed.down(st)
             raise
+    elif a.ccmd in ("import", "images") and not realbed.healthy(st):
+        raise RuntimeError(f"no healthy real-node bed in {st.root}; run `cluster up`")
     elif a.ccmd == "import":
-        if not realbed.healthy(st):
-            raise RuntimeError(f"no healthy real-node bed in {st.root}; run `cluster up`")
         realnodes.log_import(realbed.nodes_of(st), a.archives)
     elif a.ccmd == "images":
         for node in realbed.nodes_of(st):
