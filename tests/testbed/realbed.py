@@ -98,6 +98,40 @@ def advertise_gpus(cp: ControlPlane, nodes: list[realnodes.Node], count: int) ->
     wait_for(f"{realnodes.GPU_RESOURCE} allocatable on every node", allocatable, 60)
 
 
+def _start_nodes(
+    cp: ControlPlane,
+    launcher: Launcher,
+    host: hostnet.HostRecord,
+    nodes: list[realnodes.Node],
+    nd: Path,
+    gpus: int,
+) -> dict[str, dict[str, int]]:
+    """Each node's cgroups, containerd (with our images) and kubelet; then wait until every
+    node is Ready with its GPUs allocatable. Returns the kubelets' ports."""
+    t0 = time.monotonic()
+    labels = {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": str(gpus),
+              "nvidia.com/gpu.product": GPU_PRODUCT, "vllmdp.io/testbed-node": "real"}  # fmt: skip
+    node_ports = {}
+    for n in nodes:
+        host.expect_bridge(n.bridge)
+        realnodes.create_cgroups(n)
+        realnodes.start_containerd(launcher, n, PAUSE_IMAGE)
+        realnodes.log_import([n], sorted((nd / "images").glob("*.tar")))
+        node_ports[n.name] = realnodes.start_kubelet(
+            launcher, n, nd, cp.kubeconfig_for(n.name), cp.st.pki / "ca.crt", labels)
+
+    def ready() -> bool:
+        items = json.loads(cp.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        return {n.name for n in nodes} <= {i["metadata"]["name"] for i in items if _node_ready(i)}
+
+    wait_for("nodes Ready", ready, 120, None, cp.st.logs / f"kubelet-{nodes[-1].name}.log")
+    advertise_gpus(cp, nodes, gpus)
+    launcher.timings["nodes"] = time.monotonic() - t0
+    log(f"{len(nodes)} real node(s) Ready with {gpus} {realnodes.GPU_RESOURCE} each in "
+        f"{launcher.timings['nodes']:.1f}s")  # fmt: skip
+    return node_ports
+
+
 def up(st: State, bd: Path, nd: Path, node_count: int, gpus: int, images: list[Path]) -> None:
     """Start the real-node bed (idempotent: a healthy one only gets the images)."""
     if os.geteuid() != 0:
@@ -135,27 +169,7 @@ def up(st: State, bd: Path, nd: Path, node_count: int, gpus: int, images: list[P
                    "containerd_store": str(n.store)} for n in nodes]})  # fmt: skip
     cp.start()
     addons.start_coredns(cp, launcher, nd)
-    t0 = time.monotonic()
-    labels = {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": str(gpus),
-              "nvidia.com/gpu.product": GPU_PRODUCT, "vllmdp.io/testbed-node": "real"}  # fmt: skip
-    node_ports = {}
-    for n in nodes:
-        host.expect_bridge(n.bridge)
-        realnodes.create_cgroups(n)
-        realnodes.start_containerd(launcher, n, PAUSE_IMAGE)
-        realnodes.log_import([n], sorted((nd / "images").glob("*.tar")))
-        node_ports[n.name] = realnodes.start_kubelet(
-            launcher, n, nd, cp.kubeconfig_for(n.name), st.pki / "ca.crt", labels)
-
-    def ready() -> bool:
-        items = json.loads(cp.kubectl("get", "nodes", "-o", "json").stdout)["items"]
-        return {n.name for n in nodes} <= {i["metadata"]["name"] for i in items if _node_ready(i)}
-
-    wait_for("nodes Ready", ready, 120, None, st.logs / f"kubelet-{nodes[-1].name}.log")
-    advertise_gpus(cp, nodes, gpus)
-    launcher.timings["nodes"] = time.monotonic() - t0
-    log(f"{len(nodes)} real node(s) Ready with {gpus} {realnodes.GPU_RESOURCE} each in "
-        f"{launcher.timings['nodes']:.1f}s")  # fmt: skip
+    node_ports = _start_nodes(cp, launcher, host, nodes, nd, gpus)
     addons.start_kube_proxy(cp, launcher, nd, host, nodes[0].name)
     resolv = st.root / "resolv.conf"
     resolv.write_text(f"nameserver {hostnet.DNS_IP}\nsearch svc.cluster.local cluster.local\n"
