@@ -24,12 +24,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# The launcher goes in without its own dependencies: the operator uses only its pure plan
-# module, never Ray. Then the operator with every dependency it declares but the launcher.
+# Both wheels with their declared dependencies: the launcher declares none of its own (Ray is
+# its engine extra), since the operator uses only its pure plan module.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-deps /wheels/vllm_dp_launcher-*.whl /wheels/vllm_dp_operator-*.whl \
-    && python -c "import importlib.metadata as m; print('\n'.join(r for r in m.requires('vllm-dp-operator') if 'extra ==' not in r and not r.startswith('vllm-dp-launcher')))" > /tmp/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/requirements.txt && rm /tmp/requirements.txt \
+    pip install --no-cache-dir /wheels/*.whl \
     && python -c "import vllm_dp_operator.plan, vllm_dp_launcher.plan" \
     && groupadd --gid 10001 vllmdp \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \

@@ -5,6 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 TESTBED := $(BIN)/python tests/testbed/testbed.py
+IMAGES := $(BIN)/python tests/testbed/images.py
 ENGINE_IMAGE ?= vllm-dp-engine:0.1.0
 OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
 EXAMPLE ?= examples/dp8-rpn4-tp1.yaml
@@ -12,7 +13,7 @@ EXAMPLE ?= examples/dp8-rpn4-tp1.yaml
 .PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-ray \
         test-vllm-contract test-cluster testbed-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane \
-        image engine-image e2e-kind
+        image engine-image e2e-kind images images-smoke
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
@@ -90,6 +91,15 @@ dev-down: ## Stop what `make dev` started
 
 bench-controlplane: ## Apply N resources; p50/p99 to all children, operator RSS, API floor
 	$(BIN)/python bench/controlplane.py --count $${N:-100}
+
+images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths
+	$(IMAGES) build all
+
+image-%: $(BIN)/python
+	$(IMAGES) build $*
+
+images-smoke: $(BIN)/python ## Unpack each test-bed image and run its checks in a chroot (starts vLLM: heavy lock)
+	flock /tmp/vllmdp-heavy.lock $(IMAGES) smoke all
 
 image: ## Operator image (needs Docker)
 	docker build -t $(OPERATOR_IMAGE) .
