@@ -134,12 +134,22 @@ class RunningCluster:
              check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
         return self.kubectl("exec", "-n", ns, pod, "--", *argv, check=check)
 
-    def import_images(self, *archives: Path) -> str:
-        """Import docker-archive tars into every node (skipped where that image is there)."""
-        proc = testbed_cli("import", *map(str, archives), timeout=3600)
+    def import_images(self, *archives: Path, node: str | None = None) -> str:
+        """Import image archives (docker-archive, or OCI layout tars such as images.py's
+        deltas) into every node, or only `node`; skipped where that exact image is there."""
+        where = ["--node", node] if node else []
+        proc = testbed_cli("import", *where, *map(str, archives), timeout=3600)
         if proc.returncode != 0:
             raise AssertionError(f"image import failed:\n{proc.stdout}\n{proc.stderr}")
         return proc.stdout
+
+    def content_digests(self, node: str) -> set[str]:
+        """The blobs `node`'s containerd holds: `have` for images.oci_archive(name, out, have),
+        so a changed image imports as only its new layers."""
+        proc = testbed_cli("content", node, timeout=120)
+        if proc.returncode != 0:
+            raise AssertionError(f"listing {node}'s content failed:\n{proc.stderr}")
+        return set(proc.stdout.split())
 
     def down(self) -> list[str]:
         """Take the bed down; return what the bed itself reports as left (ideally [])."""

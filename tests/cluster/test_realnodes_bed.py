@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -211,3 +212,44 @@ def test_kuberay_resolves_cluster_names(cluster: RunningCluster, web: dict[str, 
     out = subprocess.run(["nsenter", f"--target={pid}", "--mount", "--", "getent", "hosts", name],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert out.split()[0] == web["cluster_ip"]
+
+
+def test_oci_delta_import_into_one_node(cluster: RunningCluster, ns: str, tmp_path: Path) -> None:
+    """An OCI layout tar (zstd layers, as images.py writes them) into one node; then a second
+    image sharing a layer, as a delta without the blob that node already holds."""
+    if shutil.which("zstd") is None:
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail("zstd is needed to write zstd-compressed layers")
+        pytest.skip("zstd is not installed")
+    import oci
+
+    first, second = cluster.node_names[:2]
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    shutil.copy2(cluster.node_bin_dir / "probe", base_dir / "probe")
+    base = oci.build_layer(base_dir, tmp_path / "base.tar")
+    base = oci.compress_layer(base, tmp_path / "base.zst")
+    refs, tars = [], []
+    for tag in ("one", "two"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "marker").write_text(f"{tag} {os.urandom(8).hex()}\n")
+        top = oci.compress_layer(oci.build_layer(tmp_path / tag, tmp_path / f"{tag}.tar"),
+                                 tmp_path / f"{tag}.zst")  # fmt: skip
+        refs.append(f"testbed.local/oci-{tag}:test")  # fixed: a rerun replaces, never piles up
+        have = cluster.content_digests(first) if tag == "two" else set()
+        tars.append(tmp_path / f"{tag}.oci.tar")
+        oci.write_oci_archive(refs[-1], [base, top], oci.ImageConfig(entrypoint=["/probe"]),
+                              tars[-1], omit=frozenset(have))  # fmt: skip
+        if tag == "one":
+            cluster.import_images(tars[-1], node=first)
+    assert tars[1].stat().st_size < tars[0].stat().st_size / 2  # the probe layer was left out
+    out = cluster.import_images(tars[1], node=first)
+    assert f"{first}: imported" in out and second not in out
+    assert f"{first}: {refs[1]} already there" in cluster.import_images(tars[1], node=first)
+    pod = probe_pod("oci", first)
+    pod["spec"]["containers"][0].update(image=refs[1], args=["serve"])
+    cluster.apply(pod, "-n", ns)
+    cluster.wait_until("a pod from the delta-imported image", lambda: ready_pod(cluster, ns, "oci"),
+                       60, ns=ns)  # fmt: skip
+    held = cluster.kubectl_json("get", "node", second)["status"].get("images", [])
+    assert not any(refs[1] in name for img in held for name in img.get("names", []))

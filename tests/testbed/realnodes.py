@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,13 +291,36 @@ def node_images(node: Node) -> dict[str, str]:
     return out
 
 
+def archive_image(archive: Path) -> tuple[list[str], str]:
+    """The names and the config digest (the image ID) of a docker-archive, or of an OCI
+    layout tar (images.py's delta archives: the blobs a node holds left out)."""
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        if "manifest.json" in names:
+            entry = oci.read_manifest(archive)
+            config = "sha256:" + entry["Config"].removesuffix(".json")
+            return list(entry.get("RepoTags") or []), config
+        index_file = tar.extractfile("index.json") if "index.json" in names else None
+        if index_file is None:
+            raise ValueError(f"{archive}: neither a docker-archive nor an OCI layout tar")
+        (desc,) = json.load(index_file)["manifests"]
+        manifest = tar.extractfile(f"blobs/sha256/{desc['digest'].split(':', 1)[1]}")
+        if manifest is None:
+            raise ValueError(f"{archive}: no manifest blob {desc['digest']}")
+        name = desc.get("annotations", {}).get("io.containerd.image.name")
+        return ([name] if name else []), str(json.load(manifest)["config"]["digest"])
+
+
+def content_digests(node: Node) -> set[str]:
+    """The blobs the node's content store holds (what an OCI delta archive may leave out)."""
+    return set(ctr(node, "content", "ls", "-q").split())
+
+
 def import_image(node: Node, archive: Path) -> str:
-    """Import a docker-archive into the node unless it holds that exact image; say which."""
-    entry = oci.read_manifest(archive)
-    digest = "sha256:" + entry["Config"].removesuffix(".json")
-    tags = list(entry.get("RepoTags") or [])
+    """Import an image archive into the node unless it holds that exact image; say which."""
+    tags, digest = archive_image(archive)
     if not tags:
-        raise ValueError(f"{archive}: the archive names no image (RepoTags is empty)")
+        raise ValueError(f"{archive}: the archive names no image")
 
     def held() -> dict[str, list[str]]:
         have = node_images(node)

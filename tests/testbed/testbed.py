@@ -15,12 +15,14 @@ in `.cluster/` or $VLLMDP_CLUSTER_DIR.
 
     testbed.py cluster build               also kubelet, kube-proxy, CoreDNS, pause/probe images
     testbed.py cluster up [--nodes 2] [--gpus-per-node 4] [--image TAR ...]
-    testbed.py cluster import TAR...       docker-archive tars into every node (skips same image)
+    testbed.py cluster import [--node N] TAR...   image archives into the nodes (skips same image)
+    testbed.py cluster content NODE        blobs a node holds (for images.py oci --have)
     testbed.py cluster images              what each node holds
     testbed.py cluster env | status | down | leftovers | cached
 
 Binaries are cached in ${VLLMDP_CACHE:-${XDG_CACHE_HOME:-~/.cache}/vllm-dp-operator}/testbed/.
-Modules: build, controlplane, kwoknodes (+ podnet), realbed (+ realnodes, addons, hostnet).
+Modules: build, controlplane, kwoknodes (+ podnet), realbed (+ realnodes, addons, hostnet);
+the images pods run are built by images.py.
 """
 
 from __future__ import annotations
@@ -85,8 +87,11 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     u.add_argument("--image", type=Path, action="append", default=[],
                    help="docker-archive tar to import into every node (repeatable)")
     u.add_argument("--no-build", action="store_true")
-    i = csub.add_parser("import", help="import docker-archive tars into every node")
+    i = csub.add_parser("import", help="import image archives (docker-archive or OCI layout)")
     i.add_argument("archives", type=Path, nargs="+")
+    i.add_argument("--node", help="only this node (default: every node)")
+    c = csub.add_parser("content", help="digests a node's content store holds (one a line)")
+    c.add_argument("node")
     for name, text in (("images", "list each node's images"), ("down", "stop and clean up"),
                        ("cached", "exit 0 when every binary and image is cached"),
                        ("env", "print shell exports"), ("status", "which components live"),
@@ -117,10 +122,18 @@ def _cluster(a: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             realbed.down(st)
             raise
-    elif a.ccmd in ("import", "images") and not realbed.healthy(st):
+    elif a.ccmd in ("import", "images", "content") and not realbed.healthy(st):
         raise RuntimeError(f"no healthy real-node bed in {st.root}; run `cluster up`")
     elif a.ccmd == "import":
-        realnodes.log_import(realbed.nodes_of(st), a.archives)
+        nodes = [n for n in realbed.nodes_of(st) if a.node in (None, n.name)]
+        if not nodes:
+            raise ValueError(f"--node {a.node}: no such node")
+        realnodes.log_import(nodes, a.archives)
+    elif a.ccmd == "content":
+        nodes = [n for n in realbed.nodes_of(st) if n.name == a.node]
+        if not nodes:
+            raise ValueError(f"node {a.node}: no such node")
+        print("\n".join(sorted(realnodes.content_digests(nodes[0]))))
     elif a.ccmd == "images":
         for node in realbed.nodes_of(st):
             for ref, digest in sorted(realnodes.node_images(node).items()):

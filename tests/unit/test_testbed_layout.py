@@ -4,6 +4,7 @@ names. (The bed itself is tested by the cluster tier, tests/cluster.)"""
 from __future__ import annotations
 
 import ipaddress
+import shutil
 import sys
 from pathlib import Path
 
@@ -83,3 +84,24 @@ def test_iptables_cleanup_only_touches_our_chains() -> None:
     assert hostnet.OUR_CHAINS.match("CNI-HOSTPORT-DNAT")
     assert not hostnet.OUR_CHAINS.match("INPUT")
     assert not hostnet.OUR_CHAINS.match("DOCKER-USER")
+
+
+def test_archive_identity_is_the_same_for_both_formats(tmp_path: Path) -> None:
+    """A docker-archive and an OCI layout tar of one image name the same config digest, so a
+    node holding it from either is not imported into again."""
+    if shutil.which("zstd") is None:
+        pytest.skip("zstd is not installed (needed for OCI layers)")
+    import oci
+
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "hello").write_text("hi\n")
+    layer = oci.compress_layer(oci.build_layer(tmp_path / "root", tmp_path / "l.tar"),
+                               tmp_path / "l.zst")  # fmt: skip
+    config = oci.ImageConfig(entrypoint=["/hello"])
+    oci.write_archive("app:dev", [layer], config, tmp_path / "docker.tar")
+    oci.write_oci_archive("app:dev", [layer], config, tmp_path / "oci.tar")
+    docker_names, docker_id = realnodes.archive_image(tmp_path / "docker.tar")
+    oci_names, oci_id = realnodes.archive_image(tmp_path / "oci.tar")
+    assert docker_id == oci_id and docker_id.startswith("sha256:")
+    assert docker_names == ["app:dev"]
+    assert len(oci_names) == 1 and realnodes.stored_as(oci_names[0], "app:dev")
