@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pki
-from build import find_etcd
+from binaries import find_etcd
 from common import REPO, free_port, http_get, log, wait_for
 from procs import Launcher, State
 

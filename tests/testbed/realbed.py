@@ -24,7 +24,7 @@ from typing import Any
 import addons
 import hostnet
 import realnodes
-from build import PAUSE_IMAGE, node_bin_dir
+from binaries import PAUSE_IMAGE, node_bin_dir
 from common import REPO, http_get, log, pid_alive, wait_for
 from controlplane import ADMISSION_ALWAYS, ControlPlane, Profile
 from procs import Launcher, State, stop, stop_all

@@ -32,7 +32,7 @@ import os
 import sys
 from pathlib import Path
 
-import build
+import binaries
 import kwoknodes
 import realbed
 import realnodes
@@ -102,19 +102,19 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _cluster(a: argparse.Namespace) -> int:
     st = State(realbed.state_dir())
     if a.ccmd == "build":
-        build.build(force=a.force)
-        build.build_nodes(force=a.force)
+        binaries.build(force=a.force)
+        binaries.build_nodes(force=a.force)
     elif a.ccmd == "up":
         for archive in a.image:
             if not archive.is_file():
                 raise BuildError(f"--image {archive}: no such file")
         if a.no_build:
-            bd, nd = build.bin_dir(), build.node_bin_dir()
-            if not (build.binaries_present(bd) and build.node_binaries_present(nd)):
+            bd, nd = binaries.bin_dir(), binaries.node_bin_dir()
+            if not (binaries.binaries_present(bd) and binaries.node_binaries_present(nd)):
                 raise BuildError(f"binaries missing in {bd} or {nd}; run `cluster build`")
-            build.ensure_node_packages()
+            binaries.ensure_node_packages()
         else:
-            bd, nd = build.build(), build.build_nodes()
+            bd, nd = binaries.build(), binaries.build_nodes()
         try:
             realbed.up(st, bd, nd, a.nodes, a.gpus_per_node, a.image)
         except BaseException:
@@ -145,8 +145,8 @@ def _cluster(a: argparse.Namespace) -> int:
     elif a.ccmd == "status":
         return 0 if realbed.status(st) else 1
     elif a.ccmd == "cached":
-        bd, nd = build.bin_dir(), build.node_bin_dir()
-        return 0 if build.binaries_present(bd) and build.node_binaries_present(nd) else 1
+        bd, nd = binaries.bin_dir(), binaries.node_bin_dir()
+        return 0 if binaries.binaries_present(bd) and binaries.node_binaries_present(nd) else 1
     elif a.ccmd == "leftovers":
         left = realbed.leftovers(st)
         print("\n".join(left) if left else "nothing left")
@@ -157,15 +157,15 @@ def _cluster(a: argparse.Namespace) -> int:
 def _kwok(a: argparse.Namespace) -> int:
     st = State(kwoknodes.state_dir())
     if a.cmd == "build":
-        build.build(force=a.force)
+        binaries.build(force=a.force)
     elif a.cmd == "bin-dir":
-        print(build.bin_dir())
+        print(binaries.bin_dir())
     elif a.cmd == "up":
         if kwoknodes.healthy(st):
             print(f"[testbed] already up and healthy ({st.root}); nothing to do")
             return 0
-        bd = build.bin_dir() if a.no_build else build.build()
-        if not build.binaries_present(bd):
+        bd = binaries.bin_dir() if a.no_build else binaries.build()
+        if not binaries.binaries_present(bd):
             raise BuildError(f"binaries missing in {bd}; run `build`")
         try:
             kwoknodes.up(st, bd, a.nodes, a.gpus_per_node, a.cpu_nodes, a.etcd_port or None,
