@@ -11,7 +11,8 @@ OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
 EXAMPLE ?= examples/dp8-rpn4-tp1.yaml
 
 .PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-ray \
-        test-vllm-contract testbed-build testbed-up testbed-down dev dev-down bench-controlplane \
+        test-vllm-contract test-cluster testbed-build testbed-up testbed-down cluster-build cluster-up \
+        cluster-down cluster-status dev dev-down bench-controlplane \
         image engine-image e2e-kind images images-smoke
 
 help: ## List targets
@@ -34,7 +35,7 @@ crds: ## Regenerate the CRD (crds/ and the chart) from the pydantic models
 crds-check: ## Fail when the checked-in CRDs drift from the models
 	$(BIN)/python hack/gen_crds.py --check
 
-test: ## Every tier that runs on this machine: unit, chart, ray, controlplane (CI runs this)
+test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, ray (CI runs this)
 	$(PYTEST) -m "not vllm and not kind" tests
 
 test-unit: ## Pure tests only (seconds)
@@ -45,6 +46,9 @@ test-chart: ## Helm lint, template, RBAC shape
 
 test-controlplane: ## Real kube-apiserver, etcd, scheduler, kwok GPU nodes and KubeRay
 	$(PYTEST) -m controlplane tests/controlplane
+
+test-cluster: ## Real kubelets, containerd, CNI, kube-proxy, CoreDNS and KubeRay on this host (root)
+	$(PYTEST) -m cluster tests/cluster
 
 test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
 	$(PYTEST) -m ray tests/ray
@@ -61,11 +65,23 @@ chart-lint: ## helm lint the chart as shipped
 testbed-build: ## Build (or reuse) the pinned control-plane binaries
 	$(TESTBED) build
 
-testbed-up: ## Start the control-plane test bed
+testbed-up: ## Start the control-plane test bed (kwok nodes)
 	$(TESTBED) up
 
 testbed-down: ## Stop the control-plane test bed
 	$(TESTBED) down
+
+cluster-build: ## Build (or reuse) everything the real-node test bed runs
+	$(TESTBED) cluster build
+
+cluster-up: ## Start the real-node test bed (root); prints `export KUBECONFIG=...`
+	$(TESTBED) cluster up
+
+cluster-down: ## Stop the real-node test bed and remove everything it made on the host
+	$(TESTBED) cluster down
+
+cluster-status: ## Which components of the real-node test bed are alive
+	$(TESTBED) cluster status
 
 dev: venv ## Test bed + operator + $(EXAMPLE), then show what it made (no GPU or Docker)
 	$(BIN)/python hack/dev.py up --example $(EXAMPLE)

@@ -1,0 +1,322 @@
+"""Builds what the test bed runs, cached outside the repository; starts nothing.
+
+- Control plane (`build`): kube-apiserver, kube-controller-manager, kube-scheduler and kubectl
+  from this directory's Go module, kwok and the KubeRay operator with `go install`, KubeRay's
+  CRDs, and Debian's etcd (apt-get when missing). Cached in `<cache>/bin-<key>/`.
+- Real nodes (`build_nodes`): kubelet and kube-proxy from the same Go module (so the same
+  Kubernetes release), CoreDNS, `pause` and `probe` from `nodecmd/`, the two one-file images
+  made from those (oci.py), and Debian's containerd, runc and CNI plugins (apt-get when
+  missing). Cached in `<cache>/nodes-<key>/`.
+
+`<cache>` is common.cache_root(); each key hashes the pins and the recipe, so a change rebuilds
+and old entries stay (they are never pruned). Builds take a lock file in the cache root, so
+two sessions never build the same thing at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import oci
+from common import HERE, BuildError, cache_root, log, versions
+
+NODECMD = HERE / "nodecmd"
+K8S_COMMANDS = ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"]
+NODE_K8S_COMMANDS = ["kubelet", "kube-proxy"]
+NODECMD_COMMANDS = ["coredns", "pause", "probe"]
+KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
+KWOK_PACKAGE = "sigs.k8s.io/kwok/cmd/kwok"
+# Images built here from static binaries (never pulled: `testbed.local` is no registry).
+PAUSE_IMAGE = "testbed.local/pause:1"
+PROBE_IMAGE = "testbed.local/probe:1"
+NODE_IMAGES = {"pause": PAUSE_IMAGE, "probe": PROBE_IMAGE}
+# Debian's binaries the real nodes run, by the package that ships them.
+DEBIAN_NODE_FILES = {
+    "containerd": "/usr/bin/containerd",
+    "runc": "/usr/sbin/runc",
+    "containernetworking-plugins": "/usr/lib/cni/bridge",
+}
+
+# Bump when the way binaries are built changes (flags, stamping), to invalidate the cache.
+BUILD_RECIPE = "2"
+NODE_RECIPE = "1"
+
+
+def _key(recipe: str, files: list[Path]) -> str:
+    h = hashlib.sha256(f"recipe={recipe}\0".encode())
+    for f in files:
+        h.update(str(f.relative_to(HERE)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def version_key() -> str:
+    return _key(BUILD_RECIPE, [HERE / n for n in ("versions.env", "go.mod", "go.sum")])
+
+
+def node_key() -> str:
+    sources = sorted(p for p in NODECMD.rglob("*") if p.is_file())
+    return _key(NODE_RECIPE, [HERE / n for n in ("versions.env", "go.mod", "go.sum")] + sources)
+
+
+def bin_dir() -> Path:
+    return cache_root() / f"bin-{version_key()}"
+
+
+def node_bin_dir() -> Path:
+    return cache_root() / f"nodes-{node_key()}"
+
+
+def go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -trimpath -buildvcs=false").strip()
+    # Go 1.27 turns on the jsonv2 experiment, which breaks the apiserver's OpenAPI.
+    with contextlib.suppress(Exception):
+        gover = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True).stdout
+        minor = int(gover.strip().removeprefix("go").split(".")[1])
+        if minor >= 27 and "GOEXPERIMENT" not in env:
+            env["GOEXPERIMENT"] = "nojsonv2"
+    return env
+
+
+def _run_build(cmd: list[str], cwd: Path, env: dict[str, str], what: str) -> float:
+    t0 = time.monotonic()
+    log(f"building {what}: {' '.join(cmd)}")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    dt = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise BuildError(
+            f"building {what} failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-6000:]}"
+        )
+    log(f"built {what} in {dt:.1f}s")
+    return dt
+
+
+def go_available() -> bool:
+    return shutil.which("go") is not None
+
+
+def expected_binaries() -> list[str]:
+    return [*K8S_COMMANDS, "kwok", "ray-operator"]
+
+
+def binaries_present(bd: Path | None = None) -> bool:
+    bd = bd or bin_dir()
+    return all((bd / b).is_file() for b in expected_binaries()) and (bd / "kuberay-crds").is_dir()
+
+
+def node_binaries_present(nd: Path | None = None) -> bool:
+    nd = nd or node_bin_dir()
+    return all((nd / b).is_file() for b in [*NODE_K8S_COMMANDS, *NODECMD_COMMANDS]) and all(
+        (nd / "images" / f"{n}.tar").is_file() for n in NODE_IMAGES
+    )
+
+
+def apt_install(packages: list[str]) -> None:
+    """Install Debian packages (as root, or through `sudo -n`)."""
+    apt = shutil.which("apt-get")
+    sudo: list[str] = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else [])
+    if not apt or (os.geteuid() != 0 and not sudo):
+        raise BuildError(f"install the Debian packages {' '.join(packages)} (apt-get install)")
+    log(f"installing Debian packages {' '.join(packages)} with apt-get")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (
+        [*sudo, apt, "update"],
+        [*sudo, apt, "install", "-y", "--no-install-recommends", *packages],
+    ):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(
+                f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
+
+
+def find_etcd(install: bool = False) -> str:
+    """Return the etcd binary: $VLLMDP_ETCD, PATH, or install Debian's etcd-server."""
+    cand = os.environ.get("VLLMDP_ETCD") or shutil.which("etcd")
+    if not cand and Path("/usr/bin/etcd").is_file():
+        cand = "/usr/bin/etcd"
+    if cand:
+        return cand
+    pkg = versions().get("ETCD_APT_PACKAGE", "etcd-server")
+    if not install:
+        raise BuildError(f"etcd not found (install the Debian package {pkg} or set VLLMDP_ETCD)")
+    # Debian's package may start etcd as a service where systemd runs; we never use that one.
+    apt_install([pkg])
+    cand = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").is_file() else None)
+    if not cand:
+        raise BuildError(f"{pkg} installed but no etcd binary found")
+    return cand
+
+
+def ensure_node_packages(install: bool = False) -> None:
+    """Debian's containerd, runc and CNI plugins, which the real nodes run as installed."""
+    missing = [pkg for pkg, path in DEBIAN_NODE_FILES.items() if not Path(path).exists()]
+    if missing and not install:
+        raise BuildError(f"missing Debian packages: {' '.join(missing)} (run `cluster build`)")
+    if missing:
+        apt_install(missing)
+
+
+def kuberay_module_dir(env: dict[str, str]) -> Path:
+    ver = versions()["KUBERAY_VERSION"]
+    proc = subprocess.run(
+        ["go", "mod", "download", "-json", f"{KUBERAY_MODULE}@{ver}"],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    try:
+        info = json.loads(proc.stdout)
+    except json.JSONDecodeError as e:
+        raise BuildError(f"go mod download {KUBERAY_MODULE}@{ver} failed:\n{proc.stderr}") from e
+    if info.get("Error") or not info.get("Dir"):
+        raise BuildError(f"go mod download {KUBERAY_MODULE}@{ver}: {info.get('Error')}")
+    return Path(info["Dir"])
+
+
+def k8s_version_ldflags(version: str) -> str:
+    """Stamp the version like the upstream build does (hack/lib/version.sh); without it the
+    binaries report v0.0.0-master+$Format:%H$, which kubectl and Helm cannot parse."""
+    major, minor = version.removeprefix("v").split(".")[:2]
+    stamp = {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": "1970-01-01T00:00:00Z",
+    }
+    return " ".join(
+        f"-X {pkg}.{k}={val}"
+        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for k, val in stamp.items()
+    )
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".build.lock", "w") as lock:
+        t0 = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if time.monotonic() - t0 > 1:
+            log(f"waited {time.monotonic() - t0:.0f}s for another build")
+        yield
+
+
+def _cached_build(
+    target: Path, present: Callable[[Path], bool], force: bool, recipe: Callable[[Path], None]
+) -> Path:
+    if present(target) and not force:
+        log(f"binaries cached in {target}")
+        return target
+    with _build_lock(target):
+        if present(target) and not force:
+            log(f"binaries cached in {target}")
+            return target
+        if not go_available():
+            raise BuildError("Go toolchain not found (needed to build the test bed binaries)")
+        target.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target))
+        t0 = time.monotonic()
+        try:
+            recipe(tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(f"build done in {time.monotonic() - t0:.1f}s -> {target}")
+    return target
+
+
+def _k8s_command(cmd: str, tmp: Path, out: Path) -> None:
+    """`go build` one k8s.io/kubernetes command into tmp, then move it to `out`."""
+    v = versions()["KUBERNETES_VERSION"]
+    ldflags = f"-ldflags=-s -w {k8s_version_ldflags(v)}"
+    pkg = f"k8s.io/kubernetes/cmd/{cmd}"
+    _run_build(["go", "build", ldflags, "-o", str(tmp / cmd), pkg], HERE, go_env(), f"{cmd} {v}")
+    os.replace(tmp / cmd, out / cmd)
+
+
+def build(force: bool = False) -> Path:
+    """Build (or reuse) the control-plane binaries; return their dir."""
+    find_etcd(install=True)
+    bd = bin_dir()
+
+    def recipe(tmp: Path) -> None:
+        v, env = versions(), go_env()
+        for name, pkg in (("ray-operator", f"{KUBERAY_MODULE}@{v['KUBERAY_VERSION']}"),
+                          ("kwok", f"{KWOK_PACKAGE}@{v['KWOK_VERSION']}")):  # fmt: skip
+            if force or not (bd / name).is_file():
+                argv = ["go", "install", "-ldflags=-s -w", pkg]
+                _run_build(argv, HERE, dict(env, GOBIN=str(tmp)), pkg)
+                os.replace(tmp / name, bd / name)
+        if force or not (bd / "kuberay-crds").is_dir():
+            src = kuberay_module_dir(env) / "config" / "crd" / "bases"
+            dst = tmp / "kuberay-crds"
+            dst.mkdir()
+            for f in sorted(src.glob("ray.io_*.yaml")):
+                shutil.copyfile(f, dst / f.name)
+            if not any(dst.iterdir()):
+                raise BuildError(f"no KubeRay CRDs in {src}")
+            shutil.rmtree(bd / "kuberay-crds", ignore_errors=True)
+            os.replace(dst, bd / "kuberay-crds")
+        for cmd in K8S_COMMANDS:
+            if force or not (bd / cmd).is_file():
+                _k8s_command(cmd, tmp, bd)
+        (bd / "BUILD_INFO.json").write_text(json.dumps({"versions": v, "key": version_key()}))
+
+    return _cached_build(bd, binaries_present, force, recipe)
+
+
+def _check_coredns_pin() -> None:
+    want = versions()["COREDNS_VERSION"]
+    found = re.search(r"github\.com/coredns/coredns (v\S+)", (NODECMD / "go.mod").read_text())
+    if not found or found.group(1) != want:
+        have = found.group(1) if found else None
+        raise BuildError(f"nodecmd/go.mod must require github.com/coredns/coredns {want} "
+                         f"(versions.env COREDNS_VERSION), found {have}")  # fmt: skip
+
+
+def _one_file_image(binary: Path, ref: str, out: Path, work: Path) -> None:
+    """A scratch image holding only `binary` at /<name>, which is its entrypoint."""
+    root = work / f"{binary.name}-rootfs"
+    root.mkdir()
+    shutil.copy2(binary, root / binary.name)
+    layer = oci.build_layer(root, work / f"{binary.name}-layer.tar")
+    entry = oci.ImageConfig(entrypoint=[f"/{binary.name}"], labels={"vllmdp.io/test-image": "true"})
+    oci.write_archive(ref, [layer], entry, out)
+
+
+def build_nodes(force: bool = False) -> Path:
+    """Build (or reuse) the real-node binaries and images, install Debian's; return their dir."""
+    ensure_node_packages(install=True)
+    _check_coredns_pin()
+    nd = node_bin_dir()
+
+    def recipe(tmp: Path) -> None:
+        for cmd in NODE_K8S_COMMANDS:
+            if force or not (nd / cmd).is_file():
+                _k8s_command(cmd, tmp, nd)
+        static = dict(go_env(), CGO_ENABLED="0")
+        for cmd in NODECMD_COMMANDS:
+            if force or not (nd / cmd).is_file():
+                argv = ["go", "build", "-ldflags=-s -w", "-o", str(tmp / cmd), f"./{cmd}"]
+                _run_build(argv, NODECMD, static, f"{cmd} (nodecmd)")
+                os.replace(tmp / cmd, nd / cmd)
+        (nd / "images").mkdir(exist_ok=True)
+        for name, ref in NODE_IMAGES.items():
+            _one_file_image(nd / name, ref, nd / "images" / f"{name}.tar", tmp)
+        info = {"versions": versions(), "key": node_key()}
+        (nd / "BUILD_INFO.json").write_text(json.dumps(info))
+
+    return _cached_build(nd, node_binaries_present, force, recipe)
