@@ -1,0 +1,48 @@
+"""Events: every phase transition posts exactly one PhaseChanged event, and a resource whose
+phase holds posts none (at the reconcile, and through the controller with its status writer)."""
+
+from __future__ import annotations
+
+from vllm_dp_operator import constants as c
+from world import World, spec
+
+
+def _phase_events(w: World) -> list[str]:
+    return [m for _, r, m in w.events if r == c.REASON_PHASE_CHANGED]
+
+
+async def test_each_transition_posts_one_event_and_steady_posts_none() -> None:
+    w = World(spec(dataParallel={"size": 2, "ranksPerNode": 1}))
+    await w.step()
+    assert w.status["phase"] == c.PHASE_PROVISIONING
+    for _ in range(3):  # nothing changes: no event at all
+        before = len(w.events)
+        await w.step(1)
+        assert len(w.events) == before
+    w.cluster_ready()
+    await w.step()
+    assert w.status["phase"] == c.PHASE_LAUNCHING
+    w.run("demo-j00001")
+    w.probe.ok = True
+    await w.step()
+    assert w.status["phase"] == c.PHASE_SERVING
+    steady = len(w.events)
+    for _ in range(5):  # Serving, probed at its cadence: no events
+        await w.step(30)
+    assert len(w.events) == steady
+    w.job_status("demo-j00001", jobStatus="FAILED", jobDeploymentStatus="Failed")
+    await w.step()
+    assert w.status["phase"] == c.PHASE_BACKOFF
+    transitions = [m.split(":")[0] for m in _phase_events(w)]
+    assert transitions == ["New -> Provisioning", "Provisioning -> Launching",
+                           "Launching -> Serving", "Serving -> Backoff"]
+    assert all(t == c.EVENT_NORMAL for t, r, _ in w.events if r == c.REASON_PHASE_CHANGED)
+
+
+async def test_invalid_spec_posts_one_phase_event_however_often_reconciled() -> None:
+    w = World(spec(dataParallel={"size": 1}))
+    for _ in range(4):
+        await w.step(10)
+    assert w.status["phase"] == c.PHASE_INVALID
+    assert w.reasons().count(c.REASON_PHASE_CHANGED) == 1
+    assert w.reasons().count(c.REASON_INVALID_SPEC) == 1
