@@ -54,7 +54,7 @@ from vllm_dp_operator.kube import (
     Kube,
     NamespaceTerminating,
 )
-from vllm_dp_operator.metrics import PHASE_NONE, RESULT_ERROR, OperatorMetrics, result_of
+from vllm_dp_operator.metrics import RESULT_ERROR, OperatorMetrics, result_of
 from vllm_dp_operator.outcome import Event, Outcome, Resource
 from vllm_dp_operator.probe import HealthProbe
 from vllm_dp_operator.ray_dashboard import RayJobs
@@ -151,7 +151,7 @@ class Controller:
         self.reconciles = 0
         self.failures = 0
         #: Prometheus metrics, on a registry of this controller's own.
-        self.metrics = metrics or OperatorMetrics(self.phase_counts)
+        self.metrics = metrics or OperatorMetrics(self.resource_states)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -229,13 +229,11 @@ class Controller:
             "cached": {k.plural: self.cache.count(k) for k in (*CHILD_KINDS, VDP)},
         }
 
-    def phase_counts(self) -> Counter[str]:
-        """Resources by phase, as the next reconcile will read it (pending changes laid over)."""
-        counts: Counter[str] = Counter()
-        for key, obj in self.cache.items(VDP):
-            status = self.status.effective(key, obj.get("status") or {})
-            counts[str(status.get("phase") or PHASE_NONE)] += 1
-        return counts
+    def resource_states(self) -> list[tuple[Key, dict[str, Any]]]:
+        """Every resource's status as the next reconcile will read it (pending changes laid
+        over), for the metrics read at scrape time."""
+        return [(key, self.status.effective(key, obj.get("status") or {}))
+                for key, obj in self.cache.items(VDP)]  # fmt: skip
 
     # ------------------------------------------------------------------ events
 

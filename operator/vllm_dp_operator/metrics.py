@@ -11,14 +11,16 @@ with our prefix, plus domain metrics. What counts, and why it is never counted t
   restart reading the persisted status count nothing again.
 - Time to serving is observed when `servedJob` goes from unset to set: the resource's first
   Serving ever, measured from its creationTimestamp. A relaunch serving later is not a first.
-- `vllmdp_resources{phase}` is read from the owner cache at scrape time: a gauge of what is,
-  not a counter of what happened, so it is right after a restart too.
+- `vllmdp_resources{phase}` and the per-resource gauges are read from the owner cache at
+  scrape time: what is, not what happened, so they are right after a restart too, and a
+  deleted resource's series go with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -54,29 +56,54 @@ NAMES = {
     "relaunches.",
     "vllmdp_head_job_failures_total": "Head jobs seen failed, ended or timed out, each once.",
     "vllmdp_time_to_serving_seconds": "From a resource's creation to its first Serving phase.",
+    "vllmdp_resource_phase": "1 for each resource, labelled with its namespace, name and phase.",
+    "vllmdp_resource_launch_attempts": "Head jobs created for a resource so far "
+    "(status.launchAttempts).",
+    "vllmdp_resource_consecutive_failures": "Head-job failures of a resource since it last "
+    "served (status.consecutiveFailures).",
 }
 
 
-class PhaseCollector(Collector):
-    """`vllmdp_resources{phase}` from a callback counting resources by phase at scrape time."""
+Key = tuple[str, str]
 
-    def __init__(self, phases: Callable[[], Mapping[str, int]]) -> None:
-        self._phases = phases
+
+class ResourceCollector(Collector):
+    """Gauges read at scrape time from a callback listing (namespace, name) and status."""
+
+    def __init__(self, resources: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]]) -> None:
+        self._resources = resources
 
     def collect(self) -> Iterator[Metric]:
-        """One gauge sample per phase; every known phase is present, 0 when empty."""
-        counts = self._phases()
-        family = GaugeMetricFamily("vllmdp_resources", NAMES["vllmdp_resources"],
+        """Counts by phase (every known phase present, 0 when empty), and per resource its
+        phase, head jobs created and failures since it last served."""
+        phases: dict[str, int] = dict.fromkeys(PHASES, 0)
+        phase = GaugeMetricFamily("vllmdp_resource_phase", NAMES["vllmdp_resource_phase"],
+                                  labels=["namespace", "name", "phase"])  # fmt: skip
+        launches = GaugeMetricFamily("vllmdp_resource_launch_attempts",
+                                     NAMES["vllmdp_resource_launch_attempts"],
+                                     labels=["namespace", "name"])  # fmt: skip
+        failures = GaugeMetricFamily("vllmdp_resource_consecutive_failures",
+                                     NAMES["vllmdp_resource_consecutive_failures"],
+                                     labels=["namespace", "name"])  # fmt: skip
+        for (ns, name), status in self._resources():
+            now = str(status.get("phase") or PHASE_NONE)
+            phases[now] = phases.get(now, 0) + 1
+            phase.add_metric([ns, name, now], 1.0)
+            launches.add_metric([ns, name], float(status.get("launchAttempts") or 0))
+            failures.add_metric([ns, name], float(status.get("consecutiveFailures") or 0))
+        counts = GaugeMetricFamily("vllmdp_resources", NAMES["vllmdp_resources"],
                                    labels=["phase"])  # fmt: skip
-        for phase in sorted({*PHASES, *counts}):
-            family.add_metric([phase], float(counts.get(phase, 0)))
-        yield family
+        for name, n in sorted(phases.items()):
+            counts.add_metric([name], float(n))
+        yield from (counts, phase, launches, failures)
 
 
 class OperatorMetrics:
     """The operator's metrics, each on this object's own registry."""
 
-    def __init__(self, phases: Callable[[], Mapping[str, int]] | None = None) -> None:
+    def __init__(
+        self, resources: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.reconciles = Counter("vllmdp_reconcile", NAMES["vllmdp_reconcile_total"],
@@ -95,7 +122,7 @@ class OperatorMetrics:
         self.time_to_serving = Histogram("vllmdp_time_to_serving_seconds",
                                          NAMES["vllmdp_time_to_serving_seconds"],
                                          buckets=SERVING_BUCKETS, registry=reg)  # fmt: skip
-        reg.register(PhaseCollector(phases or dict))
+        reg.register(ResourceCollector(resources or list))
 
     def reconciled(self, result: str, seconds: float) -> None:
         """Count one reconcile and its duration."""

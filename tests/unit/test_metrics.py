@@ -16,8 +16,8 @@ from vllm_dp_operator.metrics_http import serve_metrics
 from vllm_dp_operator.outcome import Event, Outcome
 
 
-def value(m: OperatorMetrics, name: str, **labels: str) -> float:
-    got = m.registry.get_sample_value(name, labels)
+def value(m: OperatorMetrics, metric: str, **labels: str) -> float:
+    got = m.registry.get_sample_value(metric, labels)
     return 0.0 if got is None else got
 
 
@@ -33,9 +33,13 @@ def exported_names(m: OperatorMetrics) -> set[str]:
 
 
 def test_every_documented_metric_is_exported_and_nothing_else() -> None:
-    m = OperatorMetrics(lambda: {c.PHASE_SERVING: 2})
+    m = OperatorMetrics(lambda: [(("a", "x"), {"phase": c.PHASE_SERVING, "launchAttempts": 3}),
+                                 (("b", "x"), {"phase": c.PHASE_SERVING}), (("b", "y"), {})])
     assert exported_names(m) == set(NAMES)
     assert value(m, "vllmdp_resources", phase=c.PHASE_SERVING) == 2
+    assert value(m, "vllmdp_resources", phase="None") == 1  # not reconciled yet
+    assert value(m, "vllmdp_resource_phase", namespace="a", name="x", phase="Serving") == 1
+    assert value(m, "vllmdp_resource_launch_attempts", namespace="a", name="x") == 3
     assert value(m, "vllmdp_resources", phase=c.PHASE_BACKOFF) == 0  # present at 0
     assert m.registry.get_sample_value("vllmdp_reconcile_total", {"result": "error"}) == 0
 
@@ -124,7 +128,7 @@ async def test_a_failed_reconcile_counts_as_error() -> None:
 
 
 async def test_served_over_http_in_the_text_format() -> None:
-    m = OperatorMetrics(lambda: {c.PHASE_LAUNCHING: 1})
+    m = OperatorMetrics(lambda: [(("ns", "demo"), {"phase": c.PHASE_LAUNCHING})])
     m.reconciled("success", 0.002)
     runner = await serve_metrics(m.registry, "127.0.0.1", 0)
     try:
