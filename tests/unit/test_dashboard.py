@@ -23,9 +23,9 @@ SUFFIXES = ("_bucket", "_count", "_sum")
 def _queries(node: Any) -> Iterator[str]:
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("expr", "definition") and isinstance(value, str):
-                yield value
-            elif key == "query" and isinstance(value, str) and "(" in value:
+            # "query" is also a variable's type ("prometheus"): only PromQL has parentheses.
+            promql = key in ("expr", "definition") or (key == "query" and "(" in str(value))
+            if promql and isinstance(value, str):
                 yield value
             else:
                 yield from _queries(value)
