@@ -89,11 +89,12 @@ def pod_network(testbed: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def double_in_pod_network(testbed: Any, script: str, port: int) -> Iterator[None]:
+def double_in_pod_network(testbed: Any, script: str, port: int, *args: str) -> Iterator[None]:
     """Run a tests/doubles server in the test bed's pod network: it answers every pod IP."""
     net = pod_network(testbed)
     server = subprocess.Popen(["ip", "netns", "exec", net["netns"], sys.executable,
-                               str(REPO / "tests" / "doubles" / script), "--port", str(port)])
+                               str(REPO / "tests" / "doubles" / script), "--port", str(port),
+                               *args])  # fmt: skip
     try:
         yield
     finally:
