@@ -279,10 +279,11 @@ class Controller:
             except ShutDown:
                 return
             started = asyncio.get_running_loop().time()
-            result = RESULT_ERROR
+            result: str | None = RESULT_ERROR
             try:
                 result = result_of(await self.process(key))
             except asyncio.CancelledError:
+                result = None  # shutting down: not a reconcile that ended
                 raise
             except NamespaceTerminating:
                 # Its namespace is being deleted, and the resource with it: nothing to do.
@@ -305,7 +306,8 @@ class Controller:
                 self.queue.forget(key)
             finally:
                 self.queue.done(key)
-                self.metrics.reconciled(result, asyncio.get_running_loop().time() - started)
+                if result is not None:
+                    self.metrics.reconciled(result, asyncio.get_running_loop().time() - started)
 
     async def process(self, key: Key) -> Outcome | None:
         """Reconcile one resource from the cache, write what changed, schedule its next wake."""
