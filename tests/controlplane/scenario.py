@@ -62,6 +62,13 @@ def status(testbed: Any, ns: str, name: str) -> dict[str, Any]:
     return st
 
 
+def engines_of(testbed: Any, ns: str, name: str) -> list[dict[str, Any]]:
+    """status.engines of a resource: each DP rank's running, waiting and KV-cache use while
+    Serving (also meant for the real-engine cluster tier)."""
+    engines: list[dict[str, Any]] = status(testbed, ns, name).get("engines") or []
+    return engines
+
+
 def items(testbed: Any, ns: str, kind: str, selector: str = "") -> list[dict[str, Any]]:
     args = ["-n", ns, "get", kind] + (["-l", selector] if selector else [])
     found: list[dict[str, Any]] = testbed.kubectl_json(*args)["items"]

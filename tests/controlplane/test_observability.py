@@ -25,6 +25,7 @@ from promlib import Prometheus, file_sd, free_port, pod_targets, scrape_config_f
 from scenario import (
     apply,
     double_in_pod_network,
+    engines_of,
     example,
     head_pod,
     items,
@@ -39,12 +40,6 @@ pytestmark = pytest.mark.controlplane
 
 RANKS = 4  # examples/dp4-tp2.yaml
 NAME = "observed"
-
-
-def engines_of(testbed: Any, ns: str, name: str) -> list[dict[str, Any]]:
-    """status.engines of a resource (a hook for other tiers: the real-engine cluster tier)."""
-    engines: list[dict[str, Any]] = status(testbed, ns, name).get("engines") or []
-    return engines
 
 
 def phase_events(testbed: Any, ns: str, name: str) -> list[str]:
