@@ -111,6 +111,65 @@ def _wait_value(testbed: Any, prom: Prometheus, expr: str, want: float,
                              f"{json.dumps(prom.targets())[:3000]}\n{prom.log_tail()}") from None
 
 
+@pytest.fixture
+def operator_prometheus(operator: OperatorProcess, tmp_path: Path) -> Iterator[Prometheus]:
+    """Prometheus scraping the operator alone (no pod network needed)."""
+    port = operator.metrics_port  # type: ignore[attr-defined]
+    prom = Prometheus(tmp_path / "prometheus", [
+        {"job_name": "vllm-dp-operator", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
+    ])
+    prom.start()
+    yield prom
+    prom.stop()
+
+
+def test_prometheus_scrapes_the_operator_and_a_launch_posts_one_event_per_phase(
+    testbed: Any, ns: str, operator: OperatorProcess, operator_prometheus: Prometheus
+) -> None:
+    """Two resources: one launches (Provisioning, then Launching: vLLM never answers on kwok
+    pods), one is suspended. PromQL reads the operator's counts; each resource has posted one
+    PhaseChanged Event per transition, and none while its phase holds."""
+    prom = operator_prometheus
+    doc = example("fill.yaml")
+    doc["metadata"]["name"] = NAME
+    apply(testbed, ns, doc)
+    parked = example("fill.yaml")
+    parked["metadata"]["name"] = "parked"
+    parked["spec"]["suspend"] = True
+    apply(testbed, ns, parked)
+    wait_phase(testbed, ns, NAME, "Launching")
+    wait_phase(testbed, ns, "parked", "Suspended")
+    _wait_value(testbed, prom, 'vllmdp_resources{phase="Launching"}', 1)
+    _wait_value(testbed, prom, 'vllmdp_resources{phase="Suspended"}', 1)
+    _wait_value(testbed, prom, 'vllmdp_resources{phase="Serving"}', 0)
+    _wait_value(testbed, prom, "sum(vllmdp_resources)", 2)
+    _wait_value(testbed, prom, f'vllmdp_resource_phase{{namespace="{ns}",name="parked",'
+                'phase="Suspended"}', 1)  # fmt: skip
+    _wait_value(testbed, prom, "vllmdp_head_job_launches_total", 1)
+    _wait_value(testbed, prom, "vllmdp_head_job_failures_total", 0)
+    _wait_value(testbed, prom, "vllmdp_reconcile_errors_total", 0)
+    _wait_value(testbed, prom, 'vllmdp_reconcile_total{result="error"}', 0)
+    # Launching asks for the launch deadline as a time-based step: a requeue.
+    testbed.wait_until("requeue results", lambda: (prom.value(
+        'vllmdp_reconcile_total{result="requeue"}') or 0) >= 1, timeout=30)
+    assert (prom.value('vllmdp_reconcile_total{result="success"}') or 0) >= 2
+    assert (prom.value("vllmdp_reconcile_duration_seconds_count") or 0) >= 3
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{operator.port}/healthz", timeout=5) as resp:
+        reconciles = json.loads(resp.read())["controller"]["reconciles"]
+    total = prom.value("sum(vllmdp_reconcile_total)") or 0
+    assert 0 < total <= reconciles, (total, reconciles)  # scraped a little earlier
+
+    want = {NAME: ["New -> Provisioning", "Provisioning -> Launching"],
+            "parked": ["New -> Suspended"]}  # fmt: skip
+    testbed.wait_until("one PhaseChanged Event per transition", lambda: {
+        n: phase_events(testbed, ns, n) for n in want} == want, timeout=15)  # fmt: skip
+    before = all_events(testbed, ns, NAME), all_events(testbed, ns, "parked")
+    time.sleep(6)  # Launching is probed every second here: six reconciles, no transition
+    assert status(testbed, ns, NAME)["phase"] == "Launching"
+    assert (all_events(testbed, ns, NAME), all_events(testbed, ns, "parked")) == before
+
+
 def test_prometheus_scrapes_operator_and_engines_status_and_events(
     testbed: Any, ns: str, operator: OperatorProcess, prometheus: Prometheus
 ) -> None:
@@ -139,9 +198,9 @@ def test_prometheus_scrapes_operator_and_engines_status_and_events(
         assert dict(zip(header, row, strict=False))["WAITING"] == "6", table
 
         # Events: one per transition, a chain with no gap and no repeat; then, steady, none.
-        chain = phase_events(testbed, ns, NAME)
-        assert chain == ["New -> Provisioning", "Provisioning -> Launching",
-                         "Launching -> Serving"], chain  # fmt: skip
+        chain = ["New -> Provisioning", "Provisioning -> Launching", "Launching -> Serving"]
+        testbed.wait_until("one PhaseChanged Event per transition",
+                           lambda: phase_events(testbed, ns, NAME) == chain, timeout=15)
         before = all_events(testbed, ns, NAME)
         time.sleep(8)  # four /health + /metrics probes at VLLMDP_PROBE_SERVING_SECONDS=2
         assert status(testbed, ns, NAME)["phase"] == "Serving"
