@@ -46,3 +46,37 @@ async def test_invalid_spec_posts_one_phase_event_however_often_reconciled() -> 
     assert w.status["phase"] == c.PHASE_INVALID
     assert w.reasons().count(c.REASON_PHASE_CHANGED) == 1
     assert w.reasons().count(c.REASON_INVALID_SPEC) == 1
+
+
+async def test_through_the_controller_reruns_and_a_restart_post_no_phase_event_again() -> None:
+    """The previous phase is the status the controller's reconcile reads (the status writer's
+    view): a reconcile run again, and a new operator reading the persisted status, post no
+    second PhaseChanged."""
+    from test_controller import KEY, Bed
+    from vllm_dp_operator.kube import RAYCLUSTER, RAYJOB
+
+    first = Bed()
+    first.ctl.start()
+    try:
+        first.add_owner()
+        await first.until("the RayCluster", lambda: first.names(RAYCLUSTER))
+        first.cluster_ready()
+        await first.until("the head job", lambda: first.names(RAYJOB))
+        await first.settle()
+        for _ in range(3):
+            await first.ctl.process(KEY)
+        changes = [e.message.split(":")[0] for e in first.events
+                   if e.reason == c.REASON_PHASE_CHANGED]  # fmt: skip
+        assert changes == ["New -> Provisioning", "Provisioning -> Launching"]
+        assert first.status()["phase"] == c.PHASE_LAUNCHING
+    finally:
+        await first.ctl.stop()
+    second = Bed(api=first.api)
+    second.ctl.start()
+    try:
+        second.kopf_event(None)
+        await second.until("a reconcile", lambda: second.ctl.reconciles >= 1)
+        await second.settle()
+        assert not [e for e in second.events if e.reason == c.REASON_PHASE_CHANGED]
+    finally:
+        await second.ctl.stop()
