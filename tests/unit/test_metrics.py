@@ -75,14 +75,16 @@ async def test_launch_and_failure_counted_once_across_reruns_and_a_restart() -> 
     m = first.ctl.metrics
     try:
         first.add_owner()
-        await first.until("the RayCluster", lambda: first.names(RAYCLUSTER))
+        await first.until("the RayCluster", lambda: first.names(RAYCLUSTER), timeout=5)
         first.cluster_ready()
-        await first.until("the head job", lambda: first.names(RAYJOB) == ["demo-j00001"])
+        await first.until("the head job", lambda: first.names(RAYJOB) == ["demo-j00001"],
+                          timeout=5)
         await first.settle()
         assert value(m, "vllmdp_head_job_launches_total") == 1
         first.api.set_status(RAYJOB, "default", "demo-j00001",
                              {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed"})
-        await first.until("the failure", lambda: value(m, "vllmdp_head_job_failures_total"))
+        await first.until("the failure", lambda: value(m, "vllmdp_head_job_failures_total"),
+                          timeout=5)
         await first.settle()
         launches = value(m, "vllmdp_head_job_launches_total")
         failures = value(m, "vllmdp_head_job_failures_total")
@@ -104,7 +106,7 @@ async def test_launch_and_failure_counted_once_across_reruns_and_a_restart() -> 
     second.ctl.start()
     try:
         second.kopf_event(None)
-        await second.until("a reconcile", lambda: second.ctl.reconciles >= 1)
+        await second.until("a reconcile", lambda: second.ctl.reconciles >= 1, timeout=5)
         await second.settle()
         m2 = second.ctl.metrics
         assert value(m2, "vllmdp_head_job_failures_total") == 0

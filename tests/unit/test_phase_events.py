@@ -59,9 +59,9 @@ async def test_through_the_controller_reruns_and_a_restart_post_no_phase_event_a
     first.ctl.start()
     try:
         first.add_owner()
-        await first.until("the RayCluster", lambda: first.names(RAYCLUSTER))
+        await first.until("the RayCluster", lambda: first.names(RAYCLUSTER), timeout=5)
         first.cluster_ready()
-        await first.until("the head job", lambda: first.names(RAYJOB))
+        await first.until("the head job", lambda: first.names(RAYJOB), timeout=5)
         await first.settle()
         for _ in range(3):
             await first.ctl.process(KEY)
@@ -75,7 +75,7 @@ async def test_through_the_controller_reruns_and_a_restart_post_no_phase_event_a
     second.ctl.start()
     try:
         second.kopf_event(None)
-        await second.until("a reconcile", lambda: second.ctl.reconciles >= 1)
+        await second.until("a reconcile", lambda: second.ctl.reconciles >= 1, timeout=5)
         await second.settle()
         assert not [e for e in second.events if e.reason == c.REASON_PHASE_CHANGED]
     finally:
