@@ -54,7 +54,7 @@ def import_engine(cluster: RunningCluster, name: str) -> str:
     proc = testbed_cli("load", name, timeout=3600)
     if proc.returncode != 0:
         raise AssertionError(f"loading {name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return proc.stderr.strip()
+    return proc.stdout.strip()
 
 
 def install_operator(cluster: RunningCluster) -> None:
