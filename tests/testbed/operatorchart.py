@@ -72,7 +72,11 @@ def install(st: State, archive: Path | None = None, extra: tuple[str, ...] = (),
     archive = archive or images.build([IMAGE])[IMAGE]
     realnodes.log_import(realbed.nodes_of(st), [archive])
     t_import = time.monotonic() - t0
-    sets = [f"--set={v}" for v in (*VALUES, *extra)]
+    # The tag stays `dev` while the image changes: the image ID on the pod template makes a
+    # rebuilt image roll the Deployment on a bed that already runs an older one.
+    image_id = images.image_id(archive).removeprefix("sha256:")[:16]
+    sets = [*(f"--set={v}" for v in (*VALUES, *extra)),
+            f"--set-string=podAnnotations.vllmdp\\.io/image-id={image_id}"]
     _helm(st, "upgrade", "--install", RELEASE, str(CHART), f"--namespace={NAMESPACE}",
           "--create-namespace", *sets, "--wait", f"--timeout={int(timeout)}s",
           timeout=timeout + 30)  # fmt: skip
