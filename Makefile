@@ -89,8 +89,8 @@ dev: venv ## Test bed + operator + $(EXAMPLE), then show what it made (no GPU or
 dev-down: ## Stop what `make dev` started
 	$(BIN)/python hack/dev.py down
 
-bench-controlplane: ## Apply N resources; p50/p99 to all children, operator RSS, API floor
-	$(BIN)/python bench/controlplane.py --count $${N:-100}
+bench-controlplane: ## P1-P4 of docs/benchmarks.md on the test bed; last line is one JSON object
+	$(BIN)/python bench/controlplane.py $(BENCH_ARGS)
 
 images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths
 	$(IMAGES) build all

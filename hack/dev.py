@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").resolve()
 DEV = STATE / "dev"
 TESTBED = [sys.executable, str(REPO / "tests" / "testbed" / "testbed.py")]
-OPERATOR_ENV = {"VLLMDP_RESYNC_SECONDS": "2"}
+OPERATOR_ENV = {"VLLMDP_PROBE_LAUNCHING_SECONDS": "2"}
 
 
 def _testbed(*args: str) -> None:

@@ -13,6 +13,11 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw else default
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw else default
+
+
 @dataclass(frozen=True)
 class RenderOptions:
     """Operator-wide inputs of the renderers (kept apart so renderers never read env)."""
@@ -36,8 +41,19 @@ class Config:
     #: VLLMDP_HEALTH_PROBE: how the operator reaches vLLM's /health and the Ray dashboard on
     #: the head pod: service-dns (in cluster), apiserver-proxy (outside), or off.
     health_probe: str = "service-dns"
-    #: VLLMDP_RESYNC_SECONDS: how often each resource is reconciled without an event.
-    resync_seconds: float = 5.0
+    #: VLLMDP_RESYNC_SECONDS: safety net: how often each resource is reconciled when no
+    #: event and no probe woke it (children's changes wake it at once through the watches).
+    resync_seconds: float = 600.0
+    #: VLLMDP_PROBE_LAUNCHING_SECONDS: /health probe period while an engine is Launching.
+    probe_launching_seconds: float = 5.0
+    #: VLLMDP_PROBE_SERVING_SECONDS: /health probe period while Serving (+-10% jitter): an
+    #: engine that stops answering is noticed within 1.1 x this + the probe timeout.
+    probe_serving_seconds: float = 30.0
+    #: VLLMDP_WORKERS: resources reconciled at once (each resource by one worker at a time).
+    workers: int = 16
+    #: VLLMDP_WATCH_NAMESPACE: the one namespace whose children are watched; "" for all.
+    #: Must match kopf's --namespace (the chart sets both from watchNamespace).
+    watch_namespace: str = ""
     #: VLLMDP_BACKOFF_BASE_SECONDS: wait after the first head-job failure; doubles after each.
     backoff_base_seconds: float = 10.0
     #: VLLMDP_BACKOFF_CAP_SECONDS: longest wait between head-job relaunches.
@@ -60,7 +76,11 @@ class Config:
                 fs_group=int(os.environ.get("VLLMDP_ENGINE_FS_GROUP") or defaults.fs_group),
             ),
             health_probe=os.environ.get("VLLMDP_HEALTH_PROBE") or "service-dns",
-            resync_seconds=_env_float("VLLMDP_RESYNC_SECONDS", 5.0),
+            resync_seconds=_env_float("VLLMDP_RESYNC_SECONDS", 600.0),
+            probe_launching_seconds=_env_float("VLLMDP_PROBE_LAUNCHING_SECONDS", 5.0),
+            probe_serving_seconds=_env_float("VLLMDP_PROBE_SERVING_SECONDS", 30.0),
+            workers=_env_int("VLLMDP_WORKERS", 16),
+            watch_namespace=os.environ.get("VLLMDP_WATCH_NAMESPACE") or "",
             backoff_base_seconds=_env_float("VLLMDP_BACKOFF_BASE_SECONDS", 10.0),
             backoff_cap_seconds=_env_float("VLLMDP_BACKOFF_CAP_SECONDS", 300.0),
             health_timeout_seconds=_env_float("VLLMDP_HEALTH_TIMEOUT_SECONDS", 2.0),

@@ -1,95 +1,81 @@
-"""kopf wiring: each handler delegates to the one reconcile and applies its outcome."""
+"""kopf wiring: kopf watches VLLMDataParallel objects and hosts the controller.
+
+kopf here only lists and watches the owner kind, runs startup and cleanup, and serves the
+liveness endpoint. Its handler for the owner is a plain `on.event` that returns None,
+so kopf writes nothing on its own: no finalizer, no last-handled-configuration annotation, no
+progress annotations (a daemon, a timer or a changing handler would add each of those).
+The reconcile runs in the controller's workers (`controller.py`), woken by watch events.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from datetime import UTC, datetime
+import logging
 from typing import Any
 
 import kopf
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.kube import ApiKube, NamespaceTerminating
+from vllm_dp_operator.controller import Controller
+from vllm_dp_operator.kube import ApiKube
 from vllm_dp_operator.probe import TransportProbe
 from vllm_dp_operator.ray_dashboard import DashboardJobs
-from vllm_dp_operator.reconcile import Outcome, Resource, reconcile
 from vllm_dp_operator.transport import make_transport
 
 CONFIG = Config.from_env()
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
 
 
+class _NoDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """No changing handlers, so no diff base: skip kopf's deep copy of every event's body."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+
+class _NoEventHandlerChatter(logging.Filter):
+    """Drop kopf's INFO line after every owner event: one per event, at 1,000 resources noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO
+                    and record.getMessage().startswith("Handler 'on_owner_event' succeeded"))
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Connect once; keep kopf's bookkeeping in our own annotations, not in status."""
+    """Connect once, start the controller; keep kopf's bookkeeping out of the objects."""
+    # Versions before the event-driven controller held this finalizer for their resync timer.
+    # Naming it lets kopf remove it from such objects, as no handler needs it any more.
+    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = _NoDiffBase(
         prefix=constants.GROUP, key="last-handled-configuration"
     )
-    # kopf holds this finalizer while the resync timer runs, so the timer stops cleanly.
-    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
+    logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
     kube = await ApiKube.connect()
-    memo.kube = kube
-    memo.transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
-    memo.probe = TransportProbe(memo.transport)
-    memo.ray_jobs = DashboardJobs(memo.transport)
-    memo.locks = {}
+    transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
+    controller = Controller(kube, CONFIG, TransportProbe(transport), DashboardJobs(transport),
+                            namespace=CONFIG.watch_namespace or None)  # fmt: skip
+    controller.start()
+    memo.kube, memo.transport, memo.controller = kube, transport, controller
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Close the HTTP sessions and the API client."""
+    """Stop the controller, then close the HTTP sessions and the API client."""
+    await memo.controller.stop()
     await memo.transport.close()
     await memo.kube.close()
 
 
-def _apply(outcome: Outcome, body: kopf.Body, patch: kopf.Patch) -> None:
-    # Only changed keys are written, so a steady resource costs no writes per resync.
-    current = body.get("status") or {}
-    for key, value in outcome.status.items():
-        if current.get(key) != value:
-            patch.status[key] = value
-    for event in outcome.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+@kopf.on.event(*RESOURCE)
+async def on_owner_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    """Hand every owner event to the controller; returning None makes kopf write nothing."""
+    memo.controller.owner_event(event.get("type"), dict(event["object"]))
 
 
-async def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any) -> None:
-    res = Resource.from_body(body)
-    lock = memo.locks.setdefault(res.uid, asyncio.Lock())
-    async with lock:  # the timer and change handlers never reconcile one object at once
-        try:
-            outcome = await reconcile(
-                res, memo.kube, memo.probe, memo.ray_jobs, CONFIG, datetime.now(UTC)
-            )
-        except NamespaceTerminating:
-            # Everything in the namespace goes with it, this resource too: nothing to do.
-            logger.info("Namespace %s is being deleted; nothing to reconcile", res.namespace)
-            return
-    _apply(outcome, body, patch)
-
-
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE, field="spec")
-async def on_change(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
-) -> None:
-    """Create, resume and spec changes: reconcile now."""
-    await _run(body, patch, memo, logger)
-
-
-# The first tick waits one interval: the change handlers already reconcile a new object.
-# Time-based steps (backoff, the launch deadline, a stop's drain) are checked on every tick.
-@kopf.timer(*RESOURCE, interval=CONFIG.resync_seconds, initial_delay=CONFIG.resync_seconds)
-async def resync(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: Any, **_: Any
-) -> None:
-    """Level-triggered resync: children's progress is read on every tick."""
-    await _run(body, patch, memo, logger)
-
-
-@kopf.on.delete(*RESOURCE, optional=True)
-async def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Children go by owner references; only forget the per-object lock."""
-    memo.locks.pop(body["metadata"]["uid"], None)
+@kopf.on.probe(id="controller")
+async def controller_health(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
+    """Liveness: fails when a reflector or worker task has died."""
+    health: dict[str, Any] = memo.controller.health()
+    return health

@@ -39,6 +39,11 @@ from vllm_dp_operator.render.headjob import job_hash
 from vllm_dp_operator.render.meta import owner_reference
 from vllm_dp_operator.status import parse_rfc3339, rfc3339
 
+#: While a head job is being stopped, how often the Ray job API is asked again: the dashboard
+#: cannot be watched, so this one step is polled (it lasts at most the drain plus
+#: VLLMDP_STOP_CONFIRM_SECONDS).
+STOP_RECHECK_SECONDS = 2.0
+
 
 def head_pod_of(pods: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The Ray head pod among a cluster's head pods: not terminating, running ones first."""
@@ -182,8 +187,10 @@ class HeadJobs:
             phase = c.PHASE_BACKOFF if failures else c.PHASE_LAUNCHING
             self._not_running(c.REASON_JOB_STOPPING, phase,
                               f"{failed}{'; '.join(waiting)}; the next launch waits for that")
+            self.st.recheck(STOP_RECHECK_SECONDS)
             return
         if left > 0:
+            self.st.recheck(left)
             self._not_running(c.REASON_JOB_BACKOFF, c.PHASE_BACKOFF,
                               f"{failed}relaunching in {left:.0f}s (failure {failures} in a row,"
                               f" backoff {self.cfg.backoff(failures):.0f}s)")  # fmt: skip
@@ -224,12 +231,14 @@ class HeadJobs:
             return
         if waiting:
             message = f"Head job {name} waits: {'; '.join(waiting)}"
+            st.recheck(STOP_RECHECK_SECONDS)
         elif st.doc.get("servedJob") == name:
             message = f"Head job {name} served, but /health is not answering now " \
                       f"({self.health.detail})"
         else:
             created = parse_rfc3339(job["metadata"].get("creationTimestamp")) or st.now
             deadline = created + timedelta(seconds=self.spec.launch.timeout_seconds)
+            st.recheck((deadline - st.now).total_seconds() + 1)  # +1: timestamps are whole s
             message = (f"Head job {name} is starting vLLM; /health not answering yet, "
                        f"{max(0.0, (deadline - st.now).total_seconds()):.0f}s to the launch "
                        f"deadline; now {launch_stage(job, self.health.detail)}")  # fmt: skip

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -26,7 +28,18 @@ class Kind:
         path = f"{base}/namespaces/{namespace}/{self.plural}"
         return f"{path}/{name}" if name else path
 
+    def collection(self, namespace: str | None) -> str:
+        """The collection in one namespace, or across all of them (None)."""
+        if namespace:
+            return self.path(namespace)
+        base = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        return f"{base}/{self.plural}"
 
+
+#: Seconds one non-watch API request may take.
+REQUEST_TIMEOUT = 60.0
+
+VDP = Kind(constants.GROUP, constants.VERSION, constants.PLURAL)
 RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
 RAYJOB = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayjobs")
 SERVICE = Kind("", "v1", "services")
@@ -119,6 +132,8 @@ class ApiKube:
             response_types_map={200: "object", 201: "object", 202: "object"},
             auth_settings=["BearerToken"],
             _return_http_data_only=True,
+            # Without a bound, one stalled connection would hold a worker for ever.
+            _request_timeout=REQUEST_TIMEOUT,
         )
 
     async def list(self, kind: Kind, namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -169,3 +184,68 @@ class ApiKube:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge-patch the status subresource of an object."""
+        obj: dict[str, Any] = await self._call(
+            "PATCH", kind.path(namespace, name) + "/status", body={"status": status},
+            content_type="application/merge-patch+json",
+        )  # fmt: skip
+        return obj
+
+    async def list_page(
+        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None
+    ) -> dict[str, Any]:
+        """One page of a LIST (the whole list document: items, metadata.continue, RV)."""
+        query = [("labelSelector", selector), ("limit", str(limit))]
+        if cont:
+            query.append(("continue", cont))
+        page: dict[str, Any] = await self._call("GET", kind.collection(namespace), query=query)
+        return page
+
+    async def watch(
+        self, kind: Kind, namespace: str | None, selector: str, resource_version: str,
+        timeout_seconds: int,
+    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        """Watch events from a resourceVersion on, as dicts, until the server ends the stream.
+
+        The server sends a bookmark about every minute on a quiet stream, so two minutes of
+        silence means a half-open connection: the read times out and the caller resumes,
+        instead of hanging for ever. Lines are split here, not by aiohttp's readline, which
+        refuses lines over 128 KiB.
+        """
+        query = [
+            ("watch", "true"), ("labelSelector", selector),
+            ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
+            ("timeoutSeconds", str(timeout_seconds)),
+        ]  # fmt: skip
+        timeout = aiohttp.ClientTimeout(sock_connect=10, sock_read=min(timeout_seconds + 60, 130))
+        resp = await self._api.call_api(
+            kind.collection(namespace), "GET",
+            query_params=query,
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=timeout,
+        )  # fmt: skip
+        try:
+            if resp.status != 200:
+                raise ApiException(status=resp.status, reason=(await resp.text())[:500])
+            pending = bytearray()
+            chunks = resp.content.iter_any()
+            while True:
+                try:
+                    chunk = await anext(chunks)
+                except (StopAsyncIteration, aiohttp.ServerTimeoutError):
+                    return  # the server's timeout, or a silent stream: the caller resumes
+                pending += chunk
+                while (end := pending.find(b"\n")) >= 0:
+                    line = bytes(pending[:end])
+                    del pending[: end + 1]
+                    if line.strip():
+                        event: dict[str, Any] = json.loads(line)
+                        yield event
+        finally:
+            resp.release()

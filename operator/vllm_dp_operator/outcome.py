@@ -50,6 +50,9 @@ class Outcome:
 
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
+    #: Seconds until a time-based step is due (a backoff's end, a stop's next check, the
+    #: launch deadline), else None: the controller schedules a reconcile for then.
+    retry_after: float | None = None
 
 
 # Status keys carried over from one reconcile to the next (the rest is recomputed).
@@ -72,6 +75,7 @@ class StatusDoc:
             **{key: prev.get(key) for key in _CARRIED},
         }
         self.events: list[Event] = []
+        self.retry_after: float | None = None
 
     def cond(self, type_: str, ok: bool | None, reason: str, message: str) -> None:
         """Set one condition; its transition time moves only when its status flips."""
@@ -88,6 +92,11 @@ class StatusDoc:
         """Queue an event to post on the resource."""
         self.events.append(Event(type_, reason, message))
 
+    def recheck(self, seconds: float) -> None:
+        """Ask for another reconcile within `seconds`, for a step that depends on time."""
+        seconds = max(0.1, seconds)
+        self.retry_after = seconds if self.retry_after is None else min(self.retry_after, seconds)
+
     def outcome(self) -> Outcome:
         """The status and events of this reconcile."""
-        return Outcome(self.doc, self.events)
+        return Outcome(self.doc, self.events, self.retry_after)

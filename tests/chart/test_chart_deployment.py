@@ -14,9 +14,10 @@ CI = {p.stem: p for p in chartlib.CI_VALUES}
 KOPF_ARGS = ["run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz",
              "-m", "vllm_dp_operator.handlers"]
 ENV_NAMES = ["VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME", "VLLMDP_ENGINE_FS_GROUP",
-             "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS", "VLLMDP_STOP_CONFIRM_SECONDS",
-             "VLLMDP_RESYNC_SECONDS", "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS",
-             "VLLMDP_WATCH_NAMESPACE"]
+             "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS",
+             "VLLMDP_PROBE_LAUNCHING_SECONDS", "VLLMDP_PROBE_SERVING_SECONDS",
+             "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS", "VLLMDP_WORKERS",
+             "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACE"]
 
 
 def _deployment(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -111,13 +112,17 @@ def test_values_reach_the_environment(helm_bin: str, tmp_path: Path) -> None:
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({
         "engineImage": "registry.example.com/engine:1",
-        "healthProbe": {"mode": "off", "timeoutSeconds": 1.5},
-        "resyncSeconds": 30, "backoff": {"baseSeconds": 2, "capSeconds": 64},
+        "healthProbe": {"mode": "off", "timeoutSeconds": 1.5, "launchingSeconds": 3,
+                        "servingSeconds": 45},
+        "resyncSeconds": 30, "workers": 8, "backoff": {"baseSeconds": 2, "capSeconds": 64},
         "socketIfname": "ens5", "engineFsGroup": 3000, "stopConfirmSeconds": 90}))
     env = _env(_deployment((values,)))
     assert env["VLLMDP_ENGINE_IMAGE"] == "registry.example.com/engine:1"
     assert env["VLLMDP_HEALTH_PROBE"] == "off"
     assert env["VLLMDP_RESYNC_SECONDS"] == "30"
+    assert env["VLLMDP_WORKERS"] == "8"
+    assert env["VLLMDP_PROBE_LAUNCHING_SECONDS"] == "3"
+    assert env["VLLMDP_PROBE_SERVING_SECONDS"] == "45"
     assert env["VLLMDP_BACKOFF_BASE_SECONDS"] == "2"
     assert env["VLLMDP_BACKOFF_CAP_SECONDS"] == "64"
     assert env["VLLMDP_HEALTH_TIMEOUT_SECONDS"] == "1.5"
@@ -135,6 +140,9 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert env["VLLMDP_SOCKET_IFNAME"] == defaults.render.socket_ifname
     assert env["VLLMDP_HEALTH_PROBE"] == defaults.health_probe
     assert float(env["VLLMDP_RESYNC_SECONDS"]) == defaults.resync_seconds
+    assert int(env["VLLMDP_WORKERS"]) == defaults.workers
+    assert float(env["VLLMDP_PROBE_LAUNCHING_SECONDS"]) == defaults.probe_launching_seconds
+    assert float(env["VLLMDP_PROBE_SERVING_SECONDS"]) == defaults.probe_serving_seconds
     assert float(env["VLLMDP_BACKOFF_BASE_SECONDS"]) == defaults.backoff_base_seconds
     assert float(env["VLLMDP_BACKOFF_CAP_SECONDS"]) == defaults.backoff_cap_seconds
     assert float(env["VLLMDP_HEALTH_TIMEOUT_SECONDS"]) == defaults.health_timeout_seconds

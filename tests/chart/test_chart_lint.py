@@ -53,6 +53,7 @@ def test_chart_has_no_dependencies_to_fetch(helm_bin: str) -> None:
         "healthProbe.mode=tcp",
         "watchNamespace=Not_A_Namespace",
         "resyncSeconds=0",
+        "workers=0",
         "nosuchkey=1",
         "image.pullPolicy=Sometimes",
         "extraEnv[0].name=VLLMDP_ENGINE_IMAGE",

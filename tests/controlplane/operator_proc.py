@@ -15,9 +15,12 @@ from typing import Any
 import yaml
 from vllm_dp_operator.crd import build_crd
 
-# Short timings so relaunch and resync scenarios finish in seconds.
+# Short timings so relaunch and probe scenarios finish in seconds. The safety resync is left
+# long: every scenario must be driven by watch events, not by a resync tick.
 OPERATOR_ENV = {
-    "VLLMDP_RESYNC_SECONDS": "1",
+    "VLLMDP_RESYNC_SECONDS": "600",
+    "VLLMDP_PROBE_LAUNCHING_SECONDS": "1",
+    "VLLMDP_PROBE_SERVING_SECONDS": "2",
     "VLLMDP_BACKOFF_BASE_SECONDS": "2",
     "VLLMDP_BACKOFF_CAP_SECONDS": "8",
     "VLLMDP_HEALTH_TIMEOUT_SECONDS": "1",
@@ -60,6 +63,8 @@ class OperatorProcess:
     def start(self) -> None:
         self.port = _free_port()
         scope = [f"--namespace={self.namespace}"] if self.namespace else ["--all-namespaces"]
+        # The children's watches follow the same scope (the chart sets both from one value).
+        self.env["VLLMDP_WATCH_NAMESPACE"] = self.namespace or ""
         cmd = [
             sys.executable, "-m", "kopf", "run", "--standalone", *scope,
             f"--liveness=http://127.0.0.1:{self.port}/healthz",

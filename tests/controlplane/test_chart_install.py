@@ -181,7 +181,7 @@ def test_helm_install_then_example_reaches_the_integration_state(
     token = testbed.kubectl("create", "token", full, "-n", ns).stdout.strip()
     kubeconfig = chartlib.sa_kubeconfig(tmp_path / "sa.kubeconfig", testbed.kubeconfig, token)
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
-           "KUBECONFIG": str(kubeconfig), "VLLMDP_RESYNC_SECONDS": "1",
+           "KUBECONFIG": str(kubeconfig),
            "VLLMDP_HEALTH_PROBE": probe_mode(testbed.env())}
     # Everything as the Deployment says, but the liveness port, which a test must not bind.
     args = [a for a in container["args"] if not a.startswith("--liveness")]

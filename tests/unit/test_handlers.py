@@ -1,4 +1,6 @@
-"""The kopf handlers' own decisions: a namespace being deleted is nothing to do, quietly."""
+"""The kopf handlers: owner events go to the controller, kopf writes nothing; a namespace being
+deleted is told apart from a real 403 (the controller then drops the resource quietly,
+tests/unit/test_controller.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,9 @@ import logging
 from typing import Any
 
 import kopf
-from fake_kube import FakeKube
 from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import handlers
 from vllm_dp_operator.kube import _namespace_terminating
-from vllm_dp_operator.probe import ProbeResult
-from vllm_dp_operator.ray_dashboard import NOT_FOUND, RayJobLookup, StopResult
 
 
 class _Answer:
@@ -40,28 +39,34 @@ def test_terminating_namespace_is_told_apart_from_rbac() -> None:
     assert not _namespace_terminating(_forbidden([]))  # RBAC: a real failure, raised
 
 
-class _Probe:
-    async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
-        return ProbeResult(False, "no")
+class _Controller:
+    """Test double for the controller: records the owner events handed to it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, str]] = []
+
+    def owner_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        self.seen.append((event_type, body["metadata"]["name"]))
 
 
-class _Jobs:
-    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
-        return RayJobLookup(NOT_FOUND, "none")
-
-    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
-        return StopResult(False, "none")
-
-
-async def test_reconcile_in_a_terminating_namespace_is_nothing_to_do() -> None:
-    kube = FakeKube()
-    kube.terminating.add("gone")
+async def test_owner_events_go_to_the_controller_and_kopf_writes_nothing() -> None:
     memo = kopf.Memo()
-    memo.kube, memo.probe, memo.ray_jobs, memo.locks = kube, _Probe(), _Jobs(), {}
-    body = kopf.Body({"metadata": {"name": "demo", "namespace": "gone", "uid": "u1"},
-                      "spec": {"model": "m", "dataParallel": {"size": 4, "ranksPerNode": 2}}})
-    patch = kopf.Patch()
-    logger = logging.getLogger("test")
-    await handlers._run(body, patch, memo, logger)  # no traceback, no retry
-    assert kube.calls["create"] == 1 and kube.objects == {}
-    assert dict(patch) == {}  # no status written for a resource about to vanish
+    memo.controller = _Controller()
+    event: Any = {"type": None, "object": {"metadata": {"name": "demo", "namespace": "ns"}}}
+    # None: kopf patches nothing into status for an on.event handler that returns None.
+    assert await handlers.on_owner_event(event=event, memo=memo) is None
+    assert memo.controller.seen == [(None, "demo")]
+    # No changing handlers: the diff base is empty, not a deep copy of every body.
+    body = kopf.Body({"metadata": {"name": "demo"}, "spec": {"model": "m"}})
+    assert handlers._NoDiffBase(prefix="vllmdp.io").build(body=body) == {}
+
+
+def test_the_per_event_success_line_is_dropped_and_nothing_else() -> None:
+    chatter = handlers._NoEventHandlerChatter()
+
+    def record(level: int, message: str) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", level, __file__, 1, message, None, None)
+
+    assert not chatter.filter(record(logging.INFO, "Handler 'on_owner_event' succeeded."))
+    assert chatter.filter(record(logging.ERROR, "Handler 'on_owner_event' failed."))
+    assert chatter.filter(record(logging.INFO, "Removing the finalizer"))

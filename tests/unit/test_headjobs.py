@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from vllm_dp_operator import constants as c
+from vllm_dp_operator.headjobs import STOP_RECHECK_SECONDS
 from vllm_dp_operator.kube import POD
 from world import World, launch_plan, launched, serving, spec
 
@@ -197,3 +198,20 @@ async def test_launch_deadline_does_not_apply_once_served() -> None:
     w.probe.ok = False  # a served engine that stops answering is not a slow launch
     await w.step(advance=3600)
     assert w.status["consecutiveFailures"] == 0 and w.job_names() == ["demo-j00001"]
+
+
+async def test_time_based_steps_ask_for_a_reconcile_when_they_are_due() -> None:
+    """The event-driven controller only wakes a resource for time when the reconcile says so."""
+    w = await _failed_world()
+    out = await w.step()
+    assert out.retry_after == pytest.approx(10)  # the backoff's end, not a poll
+    out = await w.step(advance=4)
+    assert out.retry_after == pytest.approx(6)
+    w = await serving(spec(launch={"drainSeconds": 30}))
+    w.update(spec(engineArgs=["--enforce-eager"], launch={"drainSeconds": 30}))
+    out = await w.step()
+    # A stop under way is confirmed through the Ray job API, which cannot be watched.
+    assert out.retry_after == STOP_RECHECK_SECONDS
+    w = await launched(spec(launch={"timeoutSeconds": 600}))
+    out = await w.step(advance=100)
+    assert out.retry_after == pytest.approx(501)  # the launch deadline (+1 s of rounding)

@@ -59,7 +59,9 @@ ClusterRole and the Role so the two scopes cannot drift apart. Keep it in step w
 REQUIRED in tests/chart/test_chart_rbac.py.
 */}}
 {{- define "vllm-dp-operator.namespacedRules" -}}
-# The custom resource: kopf lists/watches it and patches finalizers and progress annotations.
+# The custom resource: kopf lists/watches it; the operator patches its status. kopf adds no
+# finalizer or annotation (no timers, daemons or changing handlers); `patch` lets it remove the
+# finalizer that versions before the event-driven controller added.
 - apiGroups: ["vllmdp.io"]
   resources: ["vllmdataparallels"]
   verbs: ["get", "list", "watch", "patch"]
@@ -71,7 +73,8 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: ["vllmdp.io"]
   resources: ["vllmdataparallels/finalizers"]
   verbs: ["update"]
-# The children: one RayCluster and one RayJob (the head job) per resource.
+# The children: one RayCluster and one RayJob (the head job) per resource. list/watch feed
+# the operator's in-memory cache (label app.kubernetes.io/managed-by=vllm-dp-operator).
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -79,8 +82,9 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Explain Pending Ray pods in the status; label the Ray head pod while its vLLM answers
-# /health (the API Service selects that label). Never create or delete pods.
+# Cached through a watch: explain Pending Ray pods in the status; label the Ray head pod
+# while its vLLM answers /health (the API Service selects that label). Never create or
+# delete pods.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "patch"]

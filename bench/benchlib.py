@@ -1,0 +1,199 @@
+"""What the control-plane benchmark stands on: the test bed, the operator under test, counters.
+
+- `Testbed`: the running test bed (started through its CLI when none is healthy).
+- `BenchOperator`: the operator as a `kopf run` process, logged in as the chart's own
+  ServiceAccount with the chart's RBAC, and with a FlowSchema of its own, so the API server's
+  `apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}` counts exactly the
+  requests this process makes (watches included), apart from KubeRay's and the benchmark's.
+- Process counters from /proc (RSS, CPU seconds) and small statistics helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from vllm_dp_operator.config import Config
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "controlplane"))
+sys.path.insert(0, str(REPO / "tests" / "chart"))
+
+import chartlib  # noqa: E402
+from operator_proc import OperatorProcess, install_crd  # noqa: E402
+
+STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").resolve()
+TESTBED_PY = REPO / "tests" / "testbed" / "testbed.py"
+FLOW_SCHEMA = "vllmdp-bench-operator"
+SYSTEM_NS = "vllmdp-bench-system"
+
+
+def pct(values: Iterable[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of some numbers."""
+    return float(statistics.median(list(values)))
+
+
+class Testbed:
+    """The control-plane test bed, through its CLI only."""
+
+    def __init__(self) -> None:
+        self.started_here = False
+        self.env = {**os.environ, "VLLMDP_TESTBED_DIR": str(STATE)}
+
+    def _cli(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(TESTBED_PY), *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+
+    def ensure_up(self) -> None:
+        """Reuse a healthy test bed, else start one (and stop it in `down`)."""
+        if self._cli("status", timeout=60).returncode != 0:
+            up = self._cli("up")
+            if up.returncode != 0:
+                raise SystemExit(f"test bed did not start:\n{up.stdout[-3000:]}{up.stderr[-3000:]}")
+            self.started_here = True
+        info = json.loads((STATE / "testbed.json").read_text())
+        self.kubeconfig = Path(info["kubeconfig"])
+        self.bin_dir = Path(info["bin_dir"])
+
+    def down(self) -> None:
+        """Stop the test bed if this run started it."""
+        if self.started_here:
+            self._cli("down", timeout=120)
+
+    def operator_env(self) -> dict[str, str]:
+        return {**self.env, "KUBECONFIG": str(self.kubeconfig),
+                "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 900) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        proc = subprocess.run([str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}",
+                               *args], input=input, text=True, capture_output=True,
+                              timeout=timeout, check=False)  # fmt: skip
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
+        return proc
+
+
+def shipped_settings(**over: str) -> dict[str, str]:
+    """The operator's environment as the chart ships it (Config defaults), with overrides."""
+    d = Config()
+    env = {
+        "VLLMDP_RESYNC_SECONDS": str(d.resync_seconds),
+        "VLLMDP_PROBE_LAUNCHING_SECONDS": str(d.probe_launching_seconds),
+        "VLLMDP_PROBE_SERVING_SECONDS": str(d.probe_serving_seconds),
+        "VLLMDP_HEALTH_TIMEOUT_SECONDS": str(d.health_timeout_seconds),
+        "VLLMDP_BACKOFF_BASE_SECONDS": str(d.backoff_base_seconds),
+        "VLLMDP_BACKOFF_CAP_SECONDS": str(d.backoff_cap_seconds),
+        "VLLMDP_WORKERS": str(d.workers),
+        "VLLMDP_STOP_CONFIRM_SECONDS": str(d.stop_confirm_seconds),
+    }
+    return {**env, **over}
+
+
+class BenchOperator:
+    """The operator under test, with the chart's identity and a FlowSchema of its own."""
+
+    def __init__(self, tb: Testbed, log: Path) -> None:
+        self.tb, self.log = tb, log
+        self.proc: OperatorProcess | None = None
+        #: The VLLMDP_* settings of the running process, and the overrides of the defaults.
+        self.settings: dict[str, str] = {}
+        self.overrides: dict[str, str] = {}
+
+    def setup(self) -> None:
+        install_crd(self.tb)
+        self.tb.kubectl("create", "namespace", SYSTEM_NS, check=False)
+        self.identity = chartlib.apply_operator_identity(
+            self.tb.kubectl, "bench", SYSTEM_NS, (), ("healthProbe.mode=off",))
+        self.kubeconfig = chartlib.operator_kubeconfig(
+            self.tb.kubectl, self.identity, self.tb.kubeconfig, STATE / "bench-operator.kubeconfig")
+        every = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "namespaces": ["*"],
+                 "clusterScope": True}  # fmt: skip
+        schema = {
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
+            "metadata": {"name": FLOW_SCHEMA},
+            "spec": {
+                "matchingPrecedence": 500,
+                "priorityLevelConfiguration": {"name": "workload-high"},
+                "distinguisherMethod": {"type": "ByUser"},
+                "rules": [{
+                    "subjects": [{"kind": "ServiceAccount", "serviceAccount": {
+                        "name": self.identity.service_account, "namespace": SYSTEM_NS}}],
+                    "resourceRules": [every],
+                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                }],
+            },
+        }  # fmt: skip
+        self.tb.kubectl("apply", "-f", "-", input=yaml.safe_dump(schema))
+
+    def start(self, **settings: str) -> None:
+        self.overrides = settings
+        env = {**self.tb.operator_env(), "KUBECONFIG": str(self.kubeconfig)}
+        self.settings = {**shipped_settings(**settings), "VLLMDP_HEALTH_PROBE": "off"}
+        self.proc = OperatorProcess(env, self.log, self.settings)
+        self.proc.start()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
+    def teardown(self) -> None:
+        self.stop()
+        self.tb.kubectl("delete", "flowschema", FLOW_SCHEMA, "--ignore-not-found", check=False)
+        chartlib.delete_operator_identity(self.tb.kubectl, self.identity)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None and self.proc.proc is not None
+        return self.proc.proc.pid
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the operator process so far."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_mib(self) -> dict[str, float]:
+        """Current (VmRSS) and peak (VmHWM) resident memory, in MiB."""
+        out = {}
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) / 1024
+        return out
+
+    def health(self) -> dict[str, Any]:
+        """The controller's own counters, from the liveness endpoint."""
+        assert self.proc is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.proc.port}/healthz",
+                                    timeout=5) as resp:  # fmt: skip
+            doc: dict[str, Any] = json.loads(resp.read())
+        return dict(doc.get("controller") or {})
+
+
+_DISPATCHED = re.compile(
+    r'^apiserver_flowcontrol_dispatched_requests_total\{([^}]*)\}\s+([0-9.e+]+)$', re.M)
+
+
+def operator_requests(metrics_text: str) -> float:
+    """Requests the API server dispatched for the operator's FlowSchema so far."""
+    total = 0.0
+    for labels, value in _DISPATCHED.findall(metrics_text):
+        if f'flow_schema="{FLOW_SCHEMA}"' in labels:
+            total += float(value)
+    return total

@@ -1,0 +1,316 @@
+"""The in-memory cache of watched objects, and the cache-backed Kube the reconcile reads.
+
+The reflectors (`informer.py`) fill one `ObjectCache`; `CachedKube` answers the reconcile's
+`list` and `get` from it, so a reconcile makes no read calls, and passes writes through to
+the API, storing each answer, so the next reconcile sees its own writes before the watch
+echoes them. Objects are slimmed on the way in (no managedFields, no pod templates): what the
+reconcile and status read stays, the rest would only cost memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
+from vllm_dp_operator.status import rfc3339
+
+Obj = dict[str, Any]
+#: Every child the operator makes carries this label; watches select on it server-side.
+MANAGED_SELECTOR = f"{c.LABEL_MANAGED_BY}={c.MANAGER}"
+#: Labels the cache indexes, so a selector on one of them reads one bucket, not a namespace.
+INDEXED_LABELS = (c.LABEL_INSTANCE, c.LABEL_RAY_CLUSTER)
+_META_KEPT = ("name", "namespace", "uid", "resourceVersion", "generation", "labels",
+              "ownerReferences", "deletionTimestamp", "creationTimestamp")  # fmt: skip
+_DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)
+
+
+def _meta(obj: Obj) -> Obj:
+    meta = obj.get("metadata") or {}
+    out = {k: meta[k] for k in _META_KEPT if k in meta}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                   if k not in _DROPPED_ANNOTATIONS}  # fmt: skip
+    if annotations:
+        out["annotations"] = annotations
+    return out
+
+
+def _slim_cluster(obj: Obj) -> Obj:
+    spec = obj.get("spec") or {}
+    groups = [{k: g[k] for k in ("groupName", "replicas", "minReplicas", "maxReplicas") if k in g}
+              for g in spec.get("workerGroupSpecs") or []]  # fmt: skip
+    kept = {k: spec[k] for k in ("suspend", "rayVersion") if k in spec}
+    return {"spec": {**kept, "workerGroupSpecs": groups}, "status": obj.get("status") or {}}
+
+
+def _slim_job(obj: Obj) -> Obj:
+    spec = {k: v for k, v in (obj.get("spec") or {}).items()
+            if k not in ("submitterPodTemplate", "rayClusterSpec")}  # fmt: skip
+    return {"spec": spec, "status": obj.get("status") or {}}
+
+
+def _slim_pod(obj: Obj) -> Obj:
+    spec = obj.get("spec") or {}
+    return {"spec": {"nodeName": spec["nodeName"]} if spec.get("nodeName") else {},
+            "status": obj.get("status") or {}}  # fmt: skip
+
+
+def _slim_whole(obj: Obj) -> Obj:
+    return {"spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
+
+
+_SLIM: dict[Kind, Callable[[Obj], Obj]] = {
+    RAYCLUSTER: _slim_cluster, RAYJOB: _slim_job, POD: _slim_pod,
+    SERVICE: _slim_whole, VDP: _slim_whole,
+}  # fmt: skip
+
+
+def slim(kind: Kind, obj: Obj) -> Obj:
+    """The parts of an object the operator reads; managedFields and pod templates go."""
+    body = _SLIM.get(kind, _slim_whole)(obj)
+    head: Obj = {k: obj[k] for k in ("apiVersion", "kind") if k in obj}
+    return {**head, "metadata": _meta(obj), **body}
+
+
+def json_copy(value: Any) -> Any:
+    """A deep copy of JSON-shaped data (dicts, lists, scalars), several times faster than
+    copy.deepcopy, which spent most of a reconcile's CPU on copying cached objects."""
+    if isinstance(value, dict):
+        return {k: json_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_copy(v) for v in value]
+    return value
+
+
+def parse_selector(selector: str) -> dict[str, str] | None:
+    """An equality-only label selector as a dict; None for anything else (sets, !=, exists)."""
+    terms: dict[str, str] = {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        key, sep, value = term.partition("=")
+        if not sep or key.endswith("!") or value.startswith("=") or " " in key:
+            return None
+        terms[key] = value
+    return terms
+
+
+def _rv(obj: Obj) -> int | None:
+    raw = (obj.get("metadata") or {}).get("resourceVersion")
+    return int(raw) if isinstance(raw, str) and raw.isdigit() else None
+
+
+def owner_key(obj: Obj) -> tuple[str, str] | None:
+    """(namespace, VLLMDataParallel name) an object belongs to, by its instance label."""
+    meta = obj.get("metadata") or {}
+    instance = (meta.get("labels") or {}).get(c.LABEL_INSTANCE)
+    return (meta.get("namespace") or "", instance) if instance else None
+
+
+class ObjectCache:
+    """Slimmed objects of the watched kinds by (namespace, name), indexed by label."""
+
+    def __init__(self, kinds: Iterable[Kind]) -> None:
+        self._objects: dict[Kind, dict[tuple[str, str], Obj]] = {k: {} for k in kinds}
+        self._index: dict[Kind, dict[tuple[str, str, str], set[str]]] = {
+            k: {} for k in self._objects
+        }
+
+    def holds(self, kind: Kind) -> bool:
+        """Whether this kind is cached (others go to the API)."""
+        return kind in self._objects
+
+    def count(self, kind: Kind) -> int:
+        """How many objects of a kind are cached."""
+        return len(self._objects[kind])
+
+    def peek(self, kind: Kind, namespace: str, name: str) -> Obj | None:
+        """The cached object itself, not a copy: read it, never change it."""
+        return self._objects[kind].get((namespace, name))
+
+    def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
+        """A copy of one cached object, or None."""
+        obj = self.peek(kind, namespace, name)
+        return json_copy(obj) if obj is not None else None
+
+    def select(self, kind: Kind, namespace: str, terms: dict[str, str]) -> list[Obj]:
+        """Copies of the objects of a kind in a namespace whose labels match every term."""
+        objects = self._objects[kind]
+        indexed = next((k for k in INDEXED_LABELS if k in terms), None)
+        if indexed is not None:
+            names = self._index[kind].get((namespace, indexed, terms[indexed]), set())
+            candidates = [objects[(namespace, n)] for n in sorted(names)]
+        else:
+            candidates = [o for (ns, _), o in sorted(objects.items()) if ns == namespace]
+        return [
+            json_copy(o) for o in candidates
+            if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in terms.items())
+        ]  # fmt: skip
+
+    def _index_update(self, kind: Kind, obj: Obj, add: bool) -> None:
+        meta = obj["metadata"]
+        labels = meta.get("labels") or {}
+        for key in INDEXED_LABELS:
+            if key not in labels:
+                continue
+            slot = (meta.get("namespace") or "", key, labels[key])
+            names = self._index[kind].setdefault(slot, set())
+            if add:
+                names.add(meta["name"])
+            else:
+                names.discard(meta["name"])
+                if not names:
+                    del self._index[kind][slot]
+
+    def upsert(self, kind: Kind, raw: Obj) -> bool:
+        """Store an object (slimmed); False when the cache holds this version or a newer one.
+
+        So the watch's echo of the operator's own write, already stored from the write's
+        answer, is no news and wakes nobody.
+        """
+        obj = slim(kind, raw)
+        key = (obj["metadata"].get("namespace") or "", obj["metadata"]["name"])
+        old = self._objects[kind].get(key)
+        if old is not None:
+            new_rv, old_rv = _rv(obj), _rv(old)
+            same_uid = old["metadata"].get("uid") == obj["metadata"].get("uid")
+            if same_uid and new_rv is not None and old_rv is not None and new_rv <= old_rv:
+                return False
+            self._index_update(kind, old, add=False)
+        self._objects[kind][key] = obj
+        self._index_update(kind, obj, add=True)
+        return True
+
+    def remove(self, kind: Kind, raw: Obj) -> Obj | None:
+        """Drop an object that was deleted; keep a same-name object of another uid."""
+        meta = raw.get("metadata") or {}
+        key = (meta.get("namespace") or "", meta.get("name") or "")
+        old = self._objects[kind].get(key)
+        if old is None:
+            return None
+        uid = meta.get("uid")
+        if uid and old["metadata"].get("uid") and old["metadata"]["uid"] != uid:
+            return None
+        del self._objects[kind][key]
+        self._index_update(kind, old, add=False)
+        return old
+
+    def mark_deleting(self, kind: Kind, namespace: str, name: str) -> None:
+        """Note a delete we sent, so reconciles skip the object until the watch confirms it."""
+        obj = self._objects[kind].get((namespace, name))
+        if obj is not None and not obj["metadata"].get("deletionTimestamp"):
+            obj["metadata"]["deletionTimestamp"] = rfc3339(datetime.now(UTC))
+
+    def replace(self, kind: Kind, raws: Iterable[Obj], namespace: str | None) -> list[Obj]:
+        """Swap in a fresh LIST's objects; return those added, changed or gone (to wake owners).
+
+        Like client-go's DeltaFIFO.Replace: objects missing from the new list were deleted
+        while no watch ran (after a 410), and their owners must hear about it.
+        """
+        fresh: dict[tuple[str, str], Obj] = {}
+        for raw in raws:
+            obj = slim(kind, raw)
+            fresh[(obj["metadata"].get("namespace") or "", obj["metadata"]["name"])] = obj
+        touched: list[Obj] = []
+        objects = self._objects[kind]
+        for key, old in list(objects.items()):
+            if namespace and key[0] != namespace:
+                continue
+            new = fresh.get(key)
+            if new is None or new["metadata"].get("uid") != old["metadata"].get("uid"):
+                del objects[key]
+                self._index_update(kind, old, add=False)
+                touched.append(old)
+        for key, obj in fresh.items():
+            prior = objects.get(key)
+            if prior is not None and _rv(prior) == _rv(obj):
+                continue
+            if prior is not None:
+                self._index_update(kind, prior, add=False)
+            objects[key] = obj
+            self._index_update(kind, obj, add=True)
+            touched.append(obj)
+        return touched
+
+
+class CachedKube:
+    """Kube whose reads of cached kinds come from the cache; writes go to the API.
+
+    A selector the cache cannot answer (not equality-only) or an uncached kind falls
+    through to the API; `api_reads` counts those, and tests pin it at zero.
+    """
+
+    def __init__(self, api: Kube, cache: ObjectCache) -> None:
+        self._api = api
+        self._cache = cache
+        self.api_reads = 0
+
+    async def list(self, kind: Kind, namespace: str, selector: str) -> list[Obj]:
+        """Objects of a kind in a namespace matching a label selector."""
+        terms = parse_selector(selector)
+        if self._cache.holds(kind) and terms is not None:
+            return self._cache.select(kind, namespace, terms)
+        self.api_reads += 1
+        return await self._api.list(kind, namespace, selector)
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
+        """One object, or None when it does not exist."""
+        if self._cache.holds(kind):
+            return self._cache.get(kind, namespace, name)
+        self.api_reads += 1
+        return await self._api.get(kind, namespace, name)
+
+    async def create(self, kind: Kind, namespace: str, body: Obj) -> Obj:
+        """Create an object; raise AlreadyExists on 409."""
+        obj = await self._api.create(kind, namespace, body)
+        if self._cache.holds(kind):
+            self._cache.upsert(kind, obj)
+        return obj
+
+    async def patch(self, kind: Kind, namespace: str, name: str, body: Obj) -> Obj:
+        """JSON merge-patch an object."""
+        obj = await self._api.patch(kind, namespace, name, body)
+        if self._cache.holds(kind):
+            self._cache.upsert(kind, obj)
+        return obj
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        """Delete an object in the background; a missing object is not an error."""
+        await self._api.delete(kind, namespace, name)
+        if self._cache.holds(kind):
+            self._cache.mark_deleting(kind, namespace, name)
+
+
+class CountingKube:
+    """One reconcile's view of a Kube: passes every call on, counts its creates and deletes.
+
+    Per reconcile, not shared: with several workers, a shared counter would move with the
+    other workers' writes too.
+    """
+
+    def __init__(self, kube: Kube) -> None:
+        self._kube = kube
+        self.creates_and_deletes = 0
+
+    async def list(self, kind: Kind, namespace: str, selector: str) -> list[Obj]:
+        """Objects of a kind in a namespace matching a label selector."""
+        return await self._kube.list(kind, namespace, selector)
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
+        """One object, or None when it does not exist."""
+        return await self._kube.get(kind, namespace, name)
+
+    async def create(self, kind: Kind, namespace: str, body: Obj) -> Obj:
+        """Create an object; raise AlreadyExists on 409."""
+        obj = await self._kube.create(kind, namespace, body)
+        self.creates_and_deletes += 1
+        return obj
+
+    async def patch(self, kind: Kind, namespace: str, name: str, body: Obj) -> Obj:
+        """JSON merge-patch an object."""
+        return await self._kube.patch(kind, namespace, name, body)
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        """Delete an object in the background; a missing object is not an error."""
+        await self._kube.delete(kind, namespace, name)
+        self.creates_and_deletes += 1

@@ -1,0 +1,131 @@
+"""Status changes, written in the background: a few patches at a time, the latest value wins.
+
+A reconcile hands over the status keys that changed and goes on; its children's writes are
+not held up behind status patches, which matters in a burst of new resources, where children
+are what users wait for. Until a change is confirmed by the API server, `effective()` lays it
+over the cached status, so the next reconcile decides on what the last one concluded (a
+failure is never counted twice because its patch is still in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from vllm_dp_operator.cache import ObjectCache
+from vllm_dp_operator.kube import VDP, Kind
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+
+
+class StatusApi(Protocol):
+    """The one call the writer makes."""
+
+    async def patch_status(
+        self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge-patch the status subresource."""
+        ...
+
+
+class StatusWriter:
+    """Pending status changes per resource, and the workers that patch them."""
+
+    def __init__(self, api: StatusApi, cache: ObjectCache, on_gone: Callable[[Key], None],
+                 workers: int = 4, retry_seconds: float = 1.0,
+                 gate: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
+        self._api, self._cache, self._on_gone = api, cache, on_gone
+        self._gate = gate
+        self._workers, self._retry = workers, retry_seconds
+        self._pending: dict[Key, dict[str, Any]] = {}
+        self._order: asyncio.Queue[Key] = asyncio.Queue()
+        self._queued: set[Key] = set()
+        self._busy: set[Key] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.patches = 0
+
+    def effective(self, key: Key, status: Mapping[str, Any]) -> dict[str, Any]:
+        """The cached status with the changes not yet confirmed laid over it."""
+        return {**status, **self._pending.get(key, {})}
+
+    def submit(self, key: Key, changes: Mapping[str, Any]) -> None:
+        """Queue changed status keys; later values of a key replace earlier ones."""
+        self._pending.setdefault(key, {}).update(changes)
+        self._enqueue(key)
+
+    def forget(self, key: Key) -> None:
+        """Drop what is pending for a resource that is gone."""
+        self._pending.pop(key, None)
+        self._check_idle()
+
+    def _enqueue(self, key: Key) -> None:
+        if key in self._queued or key in self._busy or key not in self._pending:
+            return
+        self._queued.add(key)
+        self._idle.clear()
+        self._order.put_nowait(key)
+
+    def _check_idle(self) -> None:
+        if not self._queued and not self._busy and not self._pending:
+            self._idle.set()
+
+    async def idle(self) -> None:
+        """Wait until every change has been written (or dropped)."""
+        await self._idle.wait()
+
+    def start(self) -> list[asyncio.Task[None]]:
+        """Start the patching workers; return their tasks."""
+        return [asyncio.create_task(self._work(), name=f"status-writer-{i}")
+                for i in range(self._workers)]  # fmt: skip
+
+    async def _work(self) -> None:
+        while True:
+            key = await self._order.get()
+            if self._gate is not None:
+                await self._gate()  # children before status, while reconciles are waiting
+            self._queued.discard(key)
+            sent = dict(self._pending.get(key) or {})
+            if not sent:
+                self._check_idle()
+                continue
+            self._busy.add(key)
+            try:
+                obj = await self._api.patch_status(VDP, key[0], key[1], sent)
+            except ApiException as exc:
+                obj = None
+                if exc.status == 404:
+                    self._pending.pop(key, None)
+                    self._on_gone(key)
+                else:
+                    log.warning("Status of %s/%s not written: HTTP %s; retrying", *key,
+                                exc.status)  # fmt: skip
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                obj = None
+                log.warning("Status of %s/%s not written: %r; retrying", *key, exc)
+            finally:
+                self._busy.discard(key)
+            if obj is None:
+                if key in self._pending:
+                    asyncio.get_running_loop().call_later(self._retry, self._enqueue, key)
+                self._check_idle()
+                continue
+            self.patches += 1
+            self._cache.upsert(VDP, obj)
+            left = self._pending.get(key)
+            if left is not None:
+                for name, value in sent.items():
+                    if name in left and left[name] == value:
+                        del left[name]
+                if not left:
+                    del self._pending[key]
+                else:
+                    self._enqueue(key)
+            self._check_idle()

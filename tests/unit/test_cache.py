@@ -1,0 +1,179 @@
+"""The object cache, the cache-backed Kube and the reflector, against the FakeApi double."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fake_api import FakeApi
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.cache import (
+    MANAGED_SELECTOR,
+    CachedKube,
+    ObjectCache,
+    owner_key,
+    parse_selector,
+    slim,
+)
+from vllm_dp_operator.informer import Reflector
+from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, Kind
+
+
+def obj(name: str, instance: str = "demo", rv: str = "1", uid: str | None = None,
+        **extra: Any) -> dict[str, Any]:  # fmt: skip
+    labels = {c.LABEL_INSTANCE: instance, c.LABEL_MANAGED_BY: c.MANAGER, **extra.pop("labels", {})}
+    meta = {"name": name, "namespace": "default", "uid": uid or f"uid-{name}",
+            "resourceVersion": rv, "labels": labels}  # fmt: skip
+    return {"metadata": meta, **extra}
+
+
+def test_slim_drops_managed_fields_and_pod_templates() -> None:
+    raw = obj("rc", spec={"suspend": True, "headGroupSpec": {"template": {"spec": "big"}},
+                          "workerGroupSpecs": [{"groupName": "gpu", "replicas": 2,
+                                                "template": {"spec": "big"}}]},
+              status={"state": "ready"})  # fmt: skip
+    raw["metadata"]["managedFields"] = [{"manager": "kubectl"}]
+    out = slim(RAYCLUSTER, raw)
+    assert "managedFields" not in out["metadata"]
+    assert out["spec"] == {"suspend": True,
+                           "workerGroupSpecs": [{"groupName": "gpu", "replicas": 2}]}
+    assert out["status"] == {"state": "ready"}
+    job = slim(RAYJOB, obj("j", spec={"entrypoint": "x", "submitterPodTemplate": {}}))
+    assert job["spec"] == {"entrypoint": "x"}
+    pod = slim(POD, obj("p", spec={"nodeName": "n1", "containers": [{}]},
+                        status={"phase": "Pending"}))
+    assert pod["spec"] == {"nodeName": "n1"} and pod["status"] == {"phase": "Pending"}
+
+
+def test_parse_selector_takes_equality_terms_only() -> None:
+    assert parse_selector("a=1,b=2") == {"a": "1", "b": "2"}
+    assert parse_selector("") == {}
+    for unsupported in ("a!=1", "a", "a in (1,2)", "a==1"):
+        assert parse_selector(unsupported) is None, unsupported
+
+
+def test_select_reads_the_label_index_and_filters_every_term() -> None:
+    cache = ObjectCache([POD])
+    cache.upsert(POD, obj("p1", labels={c.LABEL_RAY_CLUSTER: "demo-abcde"}))
+    cache.upsert(POD, obj("p2", labels={c.LABEL_RAY_CLUSTER: "demo-fghij"}))
+    cache.upsert(POD, obj("q1", instance="other", labels={c.LABEL_RAY_CLUSTER: "other-1"}))
+    names = [p["metadata"]["name"]
+             for p in cache.select(POD, "default", {c.LABEL_RAY_CLUSTER: "demo-abcde"})]
+    assert names == ["p1"]
+    both = cache.select(POD, "default", {c.LABEL_INSTANCE: "demo"})
+    assert [p["metadata"]["name"] for p in both] == ["p1", "p2"]
+    assert cache.select(POD, "elsewhere", {c.LABEL_INSTANCE: "demo"}) == []
+    copy_ = cache.get(POD, "default", "p1")
+    assert copy_ is not None
+    copy_["metadata"]["labels"].clear()  # the reconcile may change what it reads
+    assert cache.select(POD, "default", {c.LABEL_RAY_CLUSTER: "demo-abcde"})
+
+
+def test_an_older_version_never_overwrites_a_newer_one() -> None:
+    cache = ObjectCache([RAYJOB])
+    assert cache.upsert(RAYJOB, obj("j", rv="10", status={"jobStatus": "RUNNING"}))
+    assert not cache.upsert(RAYJOB, obj("j", rv="9", status={"jobStatus": "PENDING"}))
+    got = cache.get(RAYJOB, "default", "j")
+    assert got is not None and got["status"]["jobStatus"] == "RUNNING"
+    # A new object of the same name (another uid) replaces it whatever its version.
+    assert cache.upsert(RAYJOB, obj("j", rv="3", uid="again"))
+    # A delete of the old uid does not remove the new object.
+    assert cache.remove(RAYJOB, obj("j", uid="uid-j")) is None
+    assert cache.remove(RAYJOB, obj("j", uid="again")) is not None
+    assert cache.count(RAYJOB) == 0
+
+
+def test_replace_reports_added_changed_and_vanished_objects() -> None:
+    cache = ObjectCache([SERVICE])
+    cache.upsert(SERVICE, obj("keep", rv="1"))
+    cache.upsert(SERVICE, obj("change", rv="1"))
+    cache.upsert(SERVICE, obj("gone", instance="lost", rv="1"))
+    touched = cache.replace(SERVICE, [obj("keep", rv="1"), obj("change", rv="5"),
+                                      obj("new", rv="6")], namespace=None)  # fmt: skip
+    assert sorted(o["metadata"]["name"] for o in touched) == ["change", "gone", "new"]
+    assert owner_key(next(o for o in touched if o["metadata"]["name"] == "gone")) == (
+        "default", "lost")
+    assert cache.get(SERVICE, "default", "gone") is None
+    assert cache.select(SERVICE, "default", {c.LABEL_INSTANCE: "lost"}) == []
+
+
+async def test_cached_kube_reads_from_cache_and_writes_through() -> None:
+    api = FakeApi()
+    cache = ObjectCache([SERVICE])
+    kube = CachedKube(api, cache)
+    await kube.create(SERVICE, "default", obj("svc"))
+    # The create's answer is in the cache before any watch event arrives.
+    assert await kube.get(SERVICE, "default", "svc") is not None
+    assert await kube.list(SERVICE, "default", f"{c.LABEL_INSTANCE}=demo")
+    await kube.delete(SERVICE, "default", "svc")
+    marked = cache.get(SERVICE, "default", "svc")
+    assert marked is not None and marked["metadata"]["deletionTimestamp"]
+    assert api.calls["get"] == 0 and api.calls["list"] == 0 and kube.api_reads == 0
+    # An uncached kind, or a selector the cache cannot answer, goes to the API.
+    await kube.list(POD, "default", "a!=b")
+    assert kube.api_reads == 1 and api.calls["list"] == 1
+
+
+async def _until(what: str, check: Any, timeout: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def _reflect(api: FakeApi, kind: Kind) -> tuple[Reflector, list[str], asyncio.Task[None]]:
+    seen: list[str] = []
+    reflector = Reflector(api, ObjectCache([kind]), kind, None, MANAGED_SELECTOR,
+                          lambda o: seen.append(o["metadata"]["name"]), page_size=2)
+    task = asyncio.create_task(reflector.run())
+    await asyncio.wait_for(reflector.synced.wait(), timeout=2)
+    return reflector, seen, task
+
+
+async def test_reflector_lists_in_pages_then_follows_the_watch() -> None:
+    api = FakeApi()
+    for i in range(5):
+        api.put(RAYCLUSTER, obj(f"rc{i}"))
+    api.put(RAYCLUSTER, {"metadata": {"name": "unmanaged", "labels": {}}})
+    reflector, seen, task = await _reflect(api, RAYCLUSTER)
+    try:
+        assert api.calls["list_page"] == 3  # 5 objects, 2 a page
+        assert reflector.cache.count(RAYCLUSTER) == 5, "the label selector filters"
+        seen.clear()
+        api.set_status(RAYCLUSTER, "default", "rc1", {"state": "ready"})
+        await _until("the status event", lambda: seen == ["rc1"])
+        cached = reflector.cache.get(RAYCLUSTER, "default", "rc1")
+        assert cached is not None and cached["status"] == {"state": "ready"}
+        await api.delete(RAYCLUSTER, "default", "rc2")
+        await _until("the delete event", lambda: seen == ["rc1", "rc2"])
+        assert reflector.cache.get(RAYCLUSTER, "default", "rc2") is None
+        # The server ends the watch: the reflector resumes from its resourceVersion, no relist.
+        api.end_watches()
+        api.set_status(RAYCLUSTER, "default", "rc3", {"state": "ready"})
+        await _until("the event after a renewed watch", lambda: seen[-1:] == ["rc3"])
+        assert api.calls["list_page"] == 3 and reflector.lists == 1
+    finally:
+        task.cancel()
+
+
+async def test_reflector_relists_after_410_and_reports_what_vanished() -> None:
+    api = FakeApi()
+    api.put(RAYJOB, obj("j1", instance="a"))
+    api.put(RAYJOB, obj("j2", instance="b"))
+    reflector, seen, task = await _reflect(api, RAYJOB)
+    try:
+        # While no watch runs, j1 is deleted and the server compacts its history.
+        api.end_watches()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await api.delete(RAYJOB, "default", "j1")
+        api.put(RAYJOB, obj("j3", instance="c"))
+        api.compact()
+        seen.clear()
+        task = asyncio.create_task(reflector.run())  # resumes from its old version
+        await _until("a relist", lambda: reflector.lists == 2)
+        assert sorted(seen) == ["j1", "j3"], "the deletion missed in the gap is reported"
+        assert reflector.cache.get(RAYJOB, "default", "j1") is None
+    finally:
+        task.cancel()
