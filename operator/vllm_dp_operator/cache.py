@@ -124,6 +124,10 @@ class ObjectCache:
         """How many objects of a kind are cached."""
         return len(self._objects[kind])
 
+    def items(self, kind: Kind) -> list[tuple[tuple[str, str], Obj]]:
+        """Every cached object of a kind by key, not copies: read them, never change them."""
+        return list(self._objects[kind].items())
+
     def peek(self, kind: Kind, namespace: str, name: str) -> Obj | None:
         """The cached object itself, not a copy: read it, never change it."""
         return self._objects[kind].get((namespace, name))

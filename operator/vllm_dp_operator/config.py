@@ -64,6 +64,13 @@ class Config:
     #: job has ended (after its drain grace, when the stop was delivered) before it goes ahead
     #: with a Warning event.
     stop_confirm_seconds: float = 60.0
+    #: VLLMDP_METRICS_PORT: port of the operator's Prometheus /metrics; 0 serves none.
+    metrics_port: int = 0
+    #: VLLMDP_METRICS_HOST: address the metrics server binds (the chart: all interfaces).
+    metrics_host: str = "0.0.0.0"
+    #: VLLMDP_ENGINE_METRICS_MAX_BYTES: most bytes of vLLM's /metrics read per probe while
+    #: Serving (status.engines); the rest of a longer answer is not read.
+    engine_metrics_max_bytes: int = 4 * 1024 * 1024
 
     @classmethod
     def from_env(cls) -> Config:
@@ -85,6 +92,9 @@ class Config:
             backoff_cap_seconds=_env_float("VLLMDP_BACKOFF_CAP_SECONDS", 300.0),
             health_timeout_seconds=_env_float("VLLMDP_HEALTH_TIMEOUT_SECONDS", 2.0),
             stop_confirm_seconds=_env_float("VLLMDP_STOP_CONFIRM_SECONDS", 60.0),
+            metrics_port=_env_int("VLLMDP_METRICS_PORT", 0),
+            metrics_host=os.environ.get("VLLMDP_METRICS_HOST") or "0.0.0.0",
+            engine_metrics_max_bytes=_env_int("VLLMDP_ENGINE_METRICS_MAX_BYTES", 4 * 1024 * 1024),
         )
 
     def backoff(self, consecutive_failures: int) -> float:

@@ -99,6 +99,8 @@ COND_SPEC_VALID: Final = "SpecValid"
 COND_CLUSTER_READY: Final = "ClusterReady"
 COND_HEAD_JOB_RUNNING: Final = "HeadJobRunning"
 COND_READY: Final = "Ready"
+# While Serving: whether every planned DP rank reports in vLLM's /metrics.
+COND_ENGINES_REPORTING: Final = "EnginesReporting"
 
 # Condition and event reasons.
 REASON_VALID: Final = "Valid"
@@ -122,6 +124,11 @@ REASON_JOB_BACKOFF: Final = "HeadJobBackoff"
 REASON_HEALTHY: Final = "EngineHealthy"
 REASON_NOT_HEALTHY: Final = "EngineNotHealthy"
 REASON_NO_CLUSTER: Final = "NoRayCluster"
+REASON_PHASE_CHANGED: Final = "PhaseChanged"
+REASON_RANKS_REPORTING: Final = "AllRanksReporting"
+REASON_RANKS_MISSING: Final = "RanksNotReporting"
+REASON_METRICS_UNAVAILABLE: Final = "MetricsUnavailable"
+REASON_NOT_SERVING: Final = "NotServing"
 
 EVENT_NORMAL: Final = "Normal"
 EVENT_WARNING: Final = "Warning"

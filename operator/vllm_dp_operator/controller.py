@@ -54,6 +54,7 @@ from vllm_dp_operator.kube import (
     Kube,
     NamespaceTerminating,
 )
+from vllm_dp_operator.metrics import RESULT_ERROR, OperatorMetrics, result_of
 from vllm_dp_operator.outcome import Event, Outcome, Resource
 from vllm_dp_operator.probe import HealthProbe
 from vllm_dp_operator.ray_dashboard import RayJobs
@@ -122,6 +123,7 @@ class Controller:
         self, api: ControllerApi, cfg: Config, probe: HealthProbe, ray_jobs: RayJobs,
         namespace: str | None = None, post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        metrics: OperatorMetrics | None = None,
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe, self.ray_jobs = api, cfg, probe, ray_jobs
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
@@ -148,6 +150,8 @@ class Controller:
         #: Counters for the liveness probe, logs and tests.
         self.reconciles = 0
         self.failures = 0
+        #: Prometheus metrics, on a registry of this controller's own.
+        self.metrics = metrics or OperatorMetrics(self.resource_states)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -225,6 +229,12 @@ class Controller:
             "cached": {k.plural: self.cache.count(k) for k in (*CHILD_KINDS, VDP)},
         }
 
+    def resource_states(self) -> list[tuple[Key, dict[str, Any]]]:
+        """Every resource's status as the next reconcile will read it (pending changes laid
+        over), for the metrics read at scrape time."""
+        return [(key, self.status.effective(key, obj.get("status") or {}))
+                for key, obj in self.cache.items(VDP)]  # fmt: skip
+
     # ------------------------------------------------------------------ events
 
     def owner_event(self, event_type: str | None, body: Obj) -> None:
@@ -268,12 +278,16 @@ class Controller:
                 key = await self.queue.get()
             except ShutDown:
                 return
+            started = asyncio.get_running_loop().time()
+            result: str | None = RESULT_ERROR
             try:
-                await self.process(key)
+                result = result_of(await self.process(key))
             except asyncio.CancelledError:
+                result = None  # shutting down: not a reconcile that ended
                 raise
             except NamespaceTerminating:
                 # Its namespace is being deleted, and the resource with it: nothing to do.
+                result = result_of(None)
                 log.info("Namespace %s is terminating; not reconciling %s", *key)
                 self.queue.drop(key)
                 self._settled(key)
@@ -292,6 +306,8 @@ class Controller:
                 self.queue.forget(key)
             finally:
                 self.queue.done(key)
+                if result is not None:
+                    self.metrics.reconciled(result, asyncio.get_running_loop().time() - started)
 
     async def process(self, key: Key) -> Outcome | None:
         """Reconcile one resource from the cache, write what changed, schedule its next wake."""
@@ -306,9 +322,11 @@ class Controller:
         current = self.status.effective(key, owner.get("status") or {})
         owner["status"] = current
         kube = CountingKube(self.kube)
+        now = self.clock()
         outcome = await reconcile(Resource.from_body(owner), kube, self.probe, self.ray_jobs,
-                                  self.cfg, self.clock())  # fmt: skip
+                                  self.cfg, now)  # fmt: skip
         self.reconciles += 1
+        self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
         self._settled(key)
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
         if changes:

@@ -18,6 +18,7 @@ from vllm_dp_operator import constants
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller import Controller
 from vllm_dp_operator.kube import ApiKube
+from vllm_dp_operator.metrics_http import serve_metrics
 from vllm_dp_operator.probe import TransportProbe
 from vllm_dp_operator.ray_dashboard import DashboardJobs
 from vllm_dp_operator.transport import make_transport
@@ -54,15 +55,23 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
     kube = await ApiKube.connect()
     transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
-    controller = Controller(kube, CONFIG, TransportProbe(transport), DashboardJobs(transport),
+    probe = TransportProbe(transport, CONFIG.engine_metrics_max_bytes)
+    controller = Controller(kube, CONFIG, probe, DashboardJobs(transport),
                             namespace=CONFIG.watch_namespace or None)  # fmt: skip
     controller.start()
+    memo.metrics_server = None
+    if CONFIG.metrics_port:
+        memo.metrics_server = await serve_metrics(
+            controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port
+        )
     memo.kube, memo.transport, memo.controller = kube, transport, controller
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     """Stop the controller, then close the HTTP sessions and the API client."""
+    if memo.metrics_server is not None:
+        await memo.metrics_server.cleanup()
     await memo.controller.stop()
     await memo.transport.close()
     await memo.kube.close()

@@ -16,6 +16,7 @@ from typing import Any
 from vllm_dp_operator import constants as c
 from vllm_dp_operator import names
 from vllm_dp_operator.config import Config
+from vllm_dp_operator.engine_metrics import engines_view, ranks_text
 from vllm_dp_operator.jobstate import (
     JobState,
     StopStep,
@@ -87,7 +88,7 @@ class HeadJobs:
         if latest is None:
             await self._launch_or_wait(waiting)
         else:
-            self._report(latest, waiting)
+            await self._report(latest, waiting)
 
     async def _failure(self, job: dict[str, Any]) -> str | None:
         """Why the latest head job counts as failed, or None; probes /health when it runs."""
@@ -166,6 +167,27 @@ class HeadJobs:
             await self.kube.patch(RAYJOB, self.ns, name, {"metadata": {"annotations": marks}})
         return f"stopping head job {name} because {why} ({detail})"
 
+    async def _read_engines(self) -> None:
+        """status.engines from the head's /metrics, and which planned ranks did not report."""
+        reading = await self.probe.engines(
+            self.ns, names.head_service(self.cluster), self.spec.service.port
+        )
+        expected = self.plan.data_parallel_size
+        if reading.loads is None:
+            self.st.cond(c.COND_ENGINES_REPORTING, False, c.REASON_METRICS_UNAVAILABLE,
+                         f"vLLM's /metrics could not be read: {reading.detail}")  # fmt: skip
+            return
+        view = engines_view(reading.loads, expected)
+        self.st.doc.update(engines=view.engines, requestsRunning=view.running,
+                           requestsWaiting=view.waiting)  # fmt: skip
+        if view.missing:
+            self.st.cond(c.COND_ENGINES_REPORTING, False, c.REASON_RANKS_MISSING,
+                         f"DP rank(s) {ranks_text(view.missing)} of 0-{expected - 1} report "
+                         f"nothing in vLLM's /metrics ({reading.detail})")  # fmt: skip
+        else:
+            self.st.cond(c.COND_ENGINES_REPORTING, True, c.REASON_RANKS_REPORTING,
+                         f"All {expected} DP ranks report in vLLM's /metrics")
+
     def _backoff_left(self) -> float:
         failures = self.st.doc["consecutiveFailures"]
         failed_at = parse_rfc3339(self.st.doc.get("lastFailureTime"))
@@ -213,7 +235,7 @@ class HeadJobs:
         self._not_running(c.REASON_JOB_PENDING, c.PHASE_LAUNCHING,
                           f"Head job {name} submitted; waiting for vLLM to load {self.plan.model}")
 
-    def _report(self, job: dict[str, Any], waiting: list[str]) -> None:
+    async def _report(self, job: dict[str, Any], waiting: list[str]) -> None:
         name, st = job["metadata"]["name"], self.st
         st.doc["headJob"] = name
         running = job_state(job) is JobState.RUNNING
@@ -228,6 +250,7 @@ class HeadJobs:
             st.cond(c.COND_READY, True, c.REASON_HEALTHY, self.health.detail)
             st.phase(c.PHASE_SERVING, f"Serving {self.plan.model} with DP="
                      f"{self.plan.data_parallel_size}")  # fmt: skip
+            await self._read_engines()
             return
         if waiting:
             message = f"Head job {name} waits: {'; '.join(waiting)}"

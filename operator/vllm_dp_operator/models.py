@@ -297,6 +297,17 @@ class Layout(ApiModel):
     pods: list[PodLayout] = Field(default_factory=list, description="Per-pod placement.")
 
 
+class EngineStatus(ApiModel):
+    """One DP rank's load, as vLLM's /metrics reports it (label `engine`)."""
+
+    rank: int = Field(description="DP rank (vLLM's `engine` label).")
+    running: int = Field(description="Requests running on the rank (vllm:num_requests_running).")
+    waiting: int = Field(description="Requests waiting on the rank (vllm:num_requests_waiting).")
+    kv_cache_usage: float = Field(
+        description="KV-cache use of the rank, 0 to 1 (vllm:kv_cache_usage_perc)."
+    )
+
+
 class VLLMDataParallelStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -325,4 +336,16 @@ class VLLMDataParallelStatus(ApiModel):
         default=None,
         description="The last head job seen serving; the launch deadline no longer applies "
         "to it.",
+    )
+    engines: list[EngineStatus] | None = Field(
+        default=None,
+        description="While Serving: each DP rank's load from the head's /metrics, read at the "
+        "/health probe's cadence. A planned rank missing here is named in the "
+        "EnginesReporting condition.",
+    )
+    requests_running: int | None = Field(
+        default=None, description="While Serving: requests running, all ranks together."
+    )
+    requests_waiting: int | None = Field(
+        default=None, description="While Serving: requests waiting, all ranks together."
     )

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from vllm_dp_operator.status import set_condition
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.status import condition_status, set_condition
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class Outcome:
 
 # Status keys carried over from one reconcile to the next (the rest is recomputed).
 _CARRIED = ("lastFailedJob", "lastFailureTime", "lastFailureReason", "headJob", "servedJob")
+# Status keys only a Serving reconcile fills (from vLLM's /metrics); None removes them.
+ENGINE_KEYS = ("engines", "requestsRunning", "requestsWaiting")
 
 
 class StatusDoc:
@@ -73,6 +76,7 @@ class StatusDoc:
             "launchAttempts": int(prev.get("launchAttempts") or 0),
             "consecutiveFailures": int(prev.get("consecutiveFailures") or 0),
             **{key: prev.get(key) for key in _CARRIED},
+            **{key: None for key in ENGINE_KEYS},
         }
         self.events: list[Event] = []
         self.retry_after: float | None = None
@@ -98,5 +102,18 @@ class StatusDoc:
         self.retry_after = seconds if self.retry_after is None else min(self.retry_after, seconds)
 
     def outcome(self) -> Outcome:
-        """The status and events of this reconcile."""
+        """The status and events of this reconcile, with one PhaseChanged event when the
+        phase moved (the previous phase is what the last reconcile concluded, so a re-run
+        or a restart posts none)."""
+        old, new = self.prev.get("phase"), self.doc.get("phase")
+        if new and new != old:
+            # Normal: what went wrong has its own Warning (HeadJobFailed, InvalidSpec, ...).
+            self.event(c.EVENT_NORMAL, c.REASON_PHASE_CHANGED,
+                       f"{old or 'New'} -> {new}: {self.doc.get('message') or ''}".rstrip(": "))
+        conds = self.doc["conditions"]
+        if new != c.PHASE_SERVING and condition_status(conds, c.COND_ENGINES_REPORTING) not in (
+            None, "Unknown"
+        ):  # fmt: skip
+            self.cond(c.COND_ENGINES_REPORTING, None, c.REASON_NOT_SERVING,
+                      f"Engines report load only while Serving; the phase is {new}")
         return Outcome(self.doc, self.events, self.retry_after)

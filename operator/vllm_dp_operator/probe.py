@@ -1,11 +1,20 @@
-"""vLLM's /health on the Ray head pod, reached through KubeRay's head Service."""
+"""vLLM's /health and /metrics on the Ray head pod, reached through KubeRay's head Service."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+from vllm_dp_operator.engine_metrics import (
+    EngineLoad,
+    ExpositionError,
+    complete_lines,
+    parse_engine_loads,
+)
 from vllm_dp_operator.transport import ServiceTransport
+
+#: Default cap on the bytes of /metrics read per probe (VLLMDP_ENGINE_METRICS_MAX_BYTES).
+METRICS_MAX_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -16,21 +25,52 @@ class ProbeResult:
     detail: str
 
 
+@dataclass(frozen=True)
+class EngineReading:
+    """Per-rank load read from /metrics; `loads` is None when nothing could be read."""
+
+    loads: dict[int, EngineLoad] | None
+    detail: str
+
+
 class HealthProbe(Protocol):
-    """Answers whether vLLM behind a Service answers GET /health with 200."""
+    """Answers whether vLLM behind a Service answers GET /health with 200, and how loaded
+    each of its DP ranks is (GET /metrics)."""
 
     async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
         """Probe once, within the probe's timeout."""
         ...
 
+    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+        """Read the per-rank gauges from /metrics once, within the timeout and size cap."""
+        ...
+
 
 class TransportProbe:
-    """GET /health over a Service transport (cluster DNS or the API server's proxy)."""
+    """GET /health and /metrics over a Service transport (cluster DNS or the API server's
+    proxy): the same path, so the same RBAC and the same timeout."""
 
-    def __init__(self, transport: ServiceTransport) -> None:
+    def __init__(self, transport: ServiceTransport, max_bytes: int = METRICS_MAX_BYTES) -> None:
         self._transport = transport
+        self._max_bytes = max_bytes
 
     async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
         """Probe once, within the transport's timeout."""
         answer = await self._transport.request("GET", namespace, service, port, "/health")
         return ProbeResult(answer.status == 200, answer.detail)
+
+    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+        """Read the per-rank gauges, at most max_bytes of the exposition."""
+        answer = await self._transport.request(
+            "GET", namespace, service, port, "/metrics", limit=self._max_bytes
+        )
+        if answer.status != 200:
+            return EngineReading(None, answer.detail)
+        text, detail = answer.body, answer.detail
+        if answer.truncated:
+            text = complete_lines(text)
+            detail += f" (read the first {self._max_bytes} bytes only)"
+        try:
+            return EngineReading(parse_engine_loads(text), detail)
+        except ExpositionError as exc:
+            return EngineReading(None, f"{detail}: {exc}")

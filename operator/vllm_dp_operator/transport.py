@@ -25,6 +25,7 @@ class Answer:
     status: int | None  # the pod's HTTP status; None when the pod was not reached
     body: str
     detail: str  # what happened, for status messages and events
+    truncated: bool = False  # the body was cut at the request's byte limit
 
     @property
     def ok(self) -> bool:
@@ -36,9 +37,11 @@ class ServiceTransport(Protocol):
     """Sends one request to a port of a Service and says what came back."""
 
     async def request(
-        self, method: str, namespace: str, service: str, port: int, path: str
-    ) -> Answer:
-        """Send `method path` to service:port in namespace, within the timeout."""
+        self, method: str, namespace: str, service: str, port: int, path: str,
+        limit: int | None = None,
+    ) -> Answer:  # fmt: skip
+        """Send `method path` to service:port in namespace, within the timeout; read at most
+        `limit` bytes of the body when given."""
         ...
 
     async def close(self) -> None:
@@ -54,16 +57,17 @@ class ServiceDnsTransport:
         self._session: aiohttp.ClientSession | None = None
 
     async def request(
-        self, method: str, namespace: str, service: str, port: int, path: str
-    ) -> Answer:
+        self, method: str, namespace: str, service: str, port: int, path: str,
+        limit: int | None = None,
+    ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"http://{service}.{namespace}.svc:{port}{path}"
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         try:
             async with self._session.request(method, url) as resp:
-                body = await resp.text(errors="replace")
-                return Answer(resp.status, body, f"{method} {url}: HTTP {resp.status}")
+                body, cut = await _read(resp, limit)
+                return Answer(resp.status, body, f"{method} {url}: HTTP {resp.status}", cut)
         except (TimeoutError, aiohttp.ClientError) as exc:
             return Answer(None, "", f"{method} {url}: {type(exc).__name__} {exc}".strip())
 
@@ -72,6 +76,22 @@ class ServiceDnsTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _read(resp: aiohttp.ClientResponse, limit: int | None) -> tuple[str, bool]:
+    """The body as text, at most `limit` bytes of it; and whether it was cut there."""
+    if limit is None:
+        return (await resp.read()).decode("utf-8", "replace"), False
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:  # read() returns what is buffered, maybe less than asked
+        chunk = await resp.content.read(limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    data = b"".join(chunks)
+    return data[:limit].decode("utf-8", "replace"), size > limit
 
 
 def _api_server_status(body: str) -> str | None:
@@ -93,8 +113,9 @@ class ApiServerProxyTransport:
         self._timeout = timeout
 
     async def request(
-        self, method: str, namespace: str, service: str, port: int, path: str
-    ) -> Answer:
+        self, method: str, namespace: str, service: str, port: int, path: str,
+        limit: int | None = None,
+    ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy{path}"
         try:
@@ -106,7 +127,7 @@ class ApiServerProxyTransport:
                 _request_timeout=self._timeout,
             )  # fmt: skip
             try:
-                status, body = resp.status, (await resp.read()).decode("utf-8", "replace")
+                status, (body, cut) = resp.status, await _read(resp, limit)
             finally:
                 resp.release()
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -116,7 +137,7 @@ class ApiServerProxyTransport:
             # The API server answered for itself (no endpoint, pod refused, RBAC): not the pod.
             log.warning("%s %s: the API server answered HTTP %s: %s", method, url, status, own)
             return Answer(None, body, f"{method} {url}: HTTP {status} {own}".strip())
-        return Answer(status, body, f"{method} {url}: HTTP {status}")
+        return Answer(status, body, f"{method} {url}: HTTP {status}", cut)
 
     async def close(self) -> None:
         """Nothing to release: the API client belongs to the Kube seam."""
@@ -126,8 +147,9 @@ class DisabledTransport:
     """No access to the pods' HTTP ports (VLLMDP_HEALTH_PROBE=off)."""
 
     async def request(
-        self, method: str, namespace: str, service: str, port: int, path: str
-    ) -> Answer:
+        self, method: str, namespace: str, service: str, port: int, path: str,
+        limit: int | None = None,
+    ) -> Answer:  # fmt: skip
         """Never reaches the pod, saying why."""
         return Answer(None, "", "pod HTTP access disabled (VLLMDP_HEALTH_PROBE=off)")
 

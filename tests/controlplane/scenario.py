@@ -62,6 +62,13 @@ def status(testbed: Any, ns: str, name: str) -> dict[str, Any]:
     return st
 
 
+def engines_of(testbed: Any, ns: str, name: str) -> list[dict[str, Any]]:
+    """status.engines of a resource: each DP rank's running, waiting and KV-cache use while
+    Serving (also meant for the real-engine cluster tier)."""
+    engines: list[dict[str, Any]] = status(testbed, ns, name).get("engines") or []
+    return engines
+
+
 def items(testbed: Any, ns: str, kind: str, selector: str = "") -> list[dict[str, Any]]:
     args = ["-n", ns, "get", kind] + (["-l", selector] if selector else [])
     found: list[dict[str, Any]] = testbed.kubectl_json(*args)["items"]
@@ -89,11 +96,12 @@ def pod_network(testbed: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def double_in_pod_network(testbed: Any, script: str, port: int) -> Iterator[None]:
+def double_in_pod_network(testbed: Any, script: str, port: int, *args: str) -> Iterator[None]:
     """Run a tests/doubles server in the test bed's pod network: it answers every pod IP."""
     net = pod_network(testbed)
     server = subprocess.Popen(["ip", "netns", "exec", net["netns"], sys.executable,
-                               str(REPO / "tests" / "doubles" / script), "--port", str(port)])
+                               str(REPO / "tests" / "doubles" / script), "--port", str(port),
+                               *args])  # fmt: skip
     try:
         yield
     finally:

@@ -22,6 +22,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
 import chartlib
 from operator_proc import probe_mode
+from promlib import install_monitoring_crds
 
 if TYPE_CHECKING:
     from conftest import RunningTestbed  # type: ignore[import-not-found, attr-defined, unused-ignore]
@@ -72,6 +73,8 @@ def test_server_side_dry_run(testbed: RunningTestbed, testbed_namespace: str, he
     ns = testbed_namespace
     objects = chartlib.render(values, _watch_override(values, ns),
                               release=f"dry-{ns[-6:]}", namespace=ns)
+    if {o["kind"] for o in objects} & {"ServiceMonitor", "PodMonitor"}:
+        install_monitoring_crds(testbed)  # the Prometheus operator's own schemas judge them
     proc = testbed.kubectl("apply", "--dry-run=server", "-f", "-",
                            input=yaml.safe_dump_all(objects), check=False)
     assert proc.returncode == 0, proc.stderr

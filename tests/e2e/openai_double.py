@@ -8,6 +8,7 @@ launcher asked for (reachable through the Service):
 - GET /health: the double's own /health (503 once it is gone);
 - GET /v1/models, POST /v1/completions, POST /v1/chat/completions: canned OpenAI-shaped
   answers naming the served model;
+- GET /metrics: the double's own per-engine series (vLLM's names and labels, idle ranks);
 - GET /double/argv: the argv it was started with (what the e2e test asserts on).
 
 SIGTERM/SIGINT go to the double; the wrapper exits with the double's exit code. Test-only,
@@ -98,6 +99,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._json(200, {"object": "list", "data": [
                 {"id": m, "object": "model", "owned_by": "vllm-dp-double", "root": MODEL}
                 for m in SERVED]})
+        elif self.path == "/metrics":
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{INNER}/metrics", timeout=2) as r:
+                    data = r.read()
+            except OSError:
+                self._json(503, {})
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path == "/double/argv":
             self._json(200, {"argv": ARGV})
         else:

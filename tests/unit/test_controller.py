@@ -22,7 +22,7 @@ from vllm_dp_operator.controller import Controller, next_wake
 from vllm_dp_operator.events import EVENT, EventPoster
 from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
 from vllm_dp_operator.outcome import Event, Outcome
-from vllm_dp_operator.probe import ProbeResult
+from vllm_dp_operator.probe import EngineReading, ProbeResult
 from world import FakeRayJobs
 
 HOUR = 3600.0
@@ -42,6 +42,9 @@ class FakeProbe:
     async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
         self.calls += 1
         return ProbeResult(self.ok, f"ok={self.ok}")
+
+    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+        return EngineReading({}, "no engines in this double")
 
 
 class Bed:

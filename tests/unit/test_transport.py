@@ -25,6 +25,7 @@ from vllm_dp_operator.transport import (
 
 SVC = "/api/v1/namespaces/ns1/services"
 HEALTH = f"{SVC}/demo-abcde-head-svc:8000/proxy/health"
+METRICS = f"{SVC}/demo-abcde-head-svc:8000/proxy/metrics"
 JOB = f"{SVC}/demo-abcde-head-svc:8265/proxy/api/jobs/demo-j00001"
 
 
@@ -44,6 +45,8 @@ async def apiserver() -> AsyncIterator[dict[str, Any]]:
             return _status(*state["own"])
         if request.path == HEALTH:
             return web.Response(status=state["health"], text="")
+        if request.path == METRICS:
+            return web.Response(status=200, text=state.get("metrics", ""))
         if request.path == JOB and request.method == "GET":
             if state["job"] is None:
                 return web.Response(status=404, text="Job demo-j00001 does not exist")
@@ -159,3 +162,18 @@ async def test_service_dns_transport_closes_its_session() -> None:
     await transport.close()
     assert transport._session is None
     json.dumps(answer.detail)  # a plain string for status messages
+
+
+async def test_metrics_read_through_the_proxy_bounded_in_size(apiserver: dict[str, Any]) -> None:
+    ranks = "".join(f'vllm:num_requests_running{{engine="{r}",model_name="m"}} {r}.0\n'
+                    for r in range(4))
+    apiserver["metrics"] = ranks + "# padding\n" * 100_000  # about 1 MB after the ranks
+    async with _api(apiserver["url"]) as api:
+        whole = await TransportProbe(ApiServerProxyTransport(api, 2)).engines(
+            "ns1", "demo-abcde-head-svc", 8000)
+        cut = await TransportProbe(ApiServerProxyTransport(api, 2), max_bytes=len(ranks) - 5
+                                   ).engines("ns1", "demo-abcde-head-svc", 8000)
+    assert whole.loads is not None and sorted(whole.loads) == [0, 1, 2, 3]
+    assert cut.loads is not None and sorted(cut.loads) == [0, 1, 2]  # the cut line is dropped
+    assert f"read the first {len(ranks) - 5} bytes only" in cut.detail
+    assert apiserver["hits"][-1] == f"GET {METRICS}"

@@ -14,8 +14,9 @@ from typing import Any
 from fake_kube import FakeKube
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
+from vllm_dp_operator.engine_metrics import parse_engine_loads
 from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB
-from vllm_dp_operator.probe import ProbeResult
+from vllm_dp_operator.probe import EngineReading, ProbeResult
 from vllm_dp_operator.ray_dashboard import NOT_FOUND, UNKNOWN, RayJobLookup, StopResult
 from vllm_dp_operator.reconcile import Outcome, Resource, reconcile
 
@@ -29,10 +30,19 @@ class FakeProbe:
     def __init__(self) -> None:
         self.ok = False
         self.calls: list[str] = []
+        self.metric_calls: list[str] = []
+        #: What /metrics answers: exposition text, or None for a failed read.
+        self.metrics: str | None = ""
 
     async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
         self.calls.append(f"{service}:{port}")
         return ProbeResult(self.ok, f"probe {service}:{port} ok={self.ok}")
+
+    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+        self.metric_calls.append(f"{service}:{port}")
+        if self.metrics is None:
+            return EngineReading(None, f"GET {service}:{port}/metrics: HTTP 500")
+        return EngineReading(parse_engine_loads(self.metrics), f"GET {service}:{port}/metrics")
 
 
 class FakeRayJobs:

@@ -1,0 +1,154 @@
+"""vLLM's /metrics read down to what status.engines shows: load per DP rank. Pure, no I/O.
+
+vLLM 0.33 labels every engine series with `model_name` and `engine` (the DP rank), and with
+vLLM balancing load one API server reports every rank. Of the whole exposition (hundreds of
+histogram buckets per rank) only three gauge families are read; every other line is skipped
+on its first characters, so the cost is one pass over the text and no allocation per
+skipped line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_CACHE = "vllm:kv_cache_usage_perc"
+#: The series status.engines is made of (exposition name -> field).
+WANTED: Mapping[str, str] = {RUNNING: "running", WAITING: "waiting", KV_CACHE: "kv"}
+_PREFIXES = tuple(WANTED)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What one DP rank reports: requests running and waiting, KV-cache use (0..1)."""
+
+    rank: int
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
+class ExpositionError(ValueError):
+    """A wanted line that does not parse as Prometheus text exposition."""
+
+
+def _labels(text: str) -> dict[str, str]:
+    """Parse `k="v",k2="v2"` (the part between braces), with the format's escapes."""
+    labels: dict[str, str] = {}
+    i, n = 0, len(text)
+    while i < n:
+        while i < n and text[i] in " ,":
+            i += 1
+        if i >= n:
+            break
+        eq = text.find("=", i)
+        if eq < 0 or eq + 1 >= n or text[eq + 1] != '"':
+            raise ExpositionError(f"label without a quoted value in {{{text}}}")
+        key = text[i:eq].strip()
+        j, value = eq + 2, []
+        while j < n and text[j] != '"':
+            if text[j] == "\\" and j + 1 < n:
+                j += 1
+                value.append({"n": "\n"}.get(text[j], text[j]))
+            else:
+                value.append(text[j])
+            j += 1
+        if j >= n:
+            raise ExpositionError(f"unterminated label value in {{{text}}}")
+        labels[key] = "".join(value)
+        i = j + 1
+    return labels
+
+
+def _sample(line: str) -> tuple[str, dict[str, str], float]:
+    """Name, labels and value of one sample line (a timestamp after the value is ignored)."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")
+        if close < brace:
+            raise ExpositionError(f"unbalanced braces: {line[:200]}")
+        name, labels, rest = line[:brace], _labels(line[brace + 1 : close]), line[close + 1 :]
+    else:
+        name, _, rest = line.partition(" ")
+        labels = {}
+    fields = rest.split()
+    if not fields:
+        raise ExpositionError(f"sample without a value: {line[:200]}")
+    try:
+        return name.strip(), labels, float(fields[0])
+    except ValueError as exc:
+        raise ExpositionError(f"sample value is not a number: {line[:200]}") from exc
+
+
+def parse_engine_loads(text: str) -> dict[int, EngineLoad]:
+    """Per DP rank, the three wanted gauges; ranks that report none of them are absent.
+
+    A rank missing one of the three reads 0 for it. When a family has several series for a
+    rank (another label), the last one wins: vLLM reports these gauges once per engine.
+    """
+    found: dict[int, dict[str, float]] = {}
+    for raw in text.splitlines():
+        if not raw.startswith(_PREFIXES):
+            continue
+        name, labels, value = _sample(raw)
+        field = WANTED.get(name)
+        engine = labels.get("engine")
+        if field is None or engine is None or not engine.isdigit():
+            continue  # e.g. vllm:num_requests_running_total, or a series of no engine
+        found.setdefault(int(engine), {})[field] = value
+    return {
+        rank: EngineLoad(rank, int(v.get("running", 0)), int(v.get("waiting", 0)),
+                         round(v.get("kv", 0.0), 4))
+        for rank, v in sorted(found.items())
+    }  # fmt: skip
+
+
+def complete_lines(text: str) -> str:
+    """The text up to its last newline: a response cut at the size limit loses its last,
+    partial line rather than reading a wrong number from it."""
+    cut = text.rfind("\n")
+    return text[: cut + 1] if cut >= 0 else ""
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """Ranks as '0, 2-5'."""
+    out: list[str] = []
+    run: list[int] = []
+    for r in sorted(set(ranks)):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [r]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(out)
+
+
+@dataclass(frozen=True)
+class EnginesView:
+    """status.engines and its totals, plus the planned ranks that reported nothing."""
+
+    engines: list[dict[str, float | int]]
+    running: int
+    waiting: int
+    missing: list[int]
+
+
+def engines_view(loads: Mapping[int, EngineLoad], data_parallel_size: int) -> EnginesView:
+    """The status view of one /metrics reading against the planned ranks 0..size-1."""
+    engines = [
+        {"rank": load.rank, "running": load.running, "waiting": load.waiting,
+         "kvCacheUsage": load.kv_cache_usage}
+        for load in sorted(loads.values(), key=lambda x: x.rank)
+    ]  # fmt: skip
+    missing = [r for r in range(data_parallel_size) if r not in loads]
+    return EnginesView(
+        engines,
+        sum(load.running for load in loads.values()),
+        sum(load.waiting for load in loads.values()),
+        missing,
+    )

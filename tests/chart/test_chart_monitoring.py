@@ -1,0 +1,112 @@
+"""Scrape wiring in the chart: absent by default; with monitoring on, a metrics Service and
+ServiceMonitor for the operator, a PodMonitor for vLLM on every resource's head pod (selecting
+the labels the operator's renderer really puts there), and the Grafana dashboard."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import chartlib
+import pytest
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.config import RenderOptions
+from vllm_dp_operator.plan import build_plan
+from vllm_dp_operator.render import build_raycluster
+from vllm_dp_operator.validation import validate
+
+MONITORING = chartlib.CHART / "ci" / "monitoring-values.yaml"
+MONITOR_KINDS = {"ServiceMonitor", "PodMonitor", "ConfigMap", "Service"}
+
+
+def _one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (obj,) = chartlib.by_kind(objects, kind)
+    return obj
+
+
+def _container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = _one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert isinstance(container, dict)
+    return container
+
+
+def test_off_by_default_but_the_operator_serves_metrics(helm_bin: str) -> None:
+    objects = chartlib.render()
+    assert not {o["kind"] for o in objects} & MONITOR_KINDS
+    container = _container(objects)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLMDP_METRICS_PORT"] == "8081"
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
+
+
+def test_operator_service_monitor_reaches_the_metrics_port(helm_bin: str) -> None:
+    objects = chartlib.render((MONITORING,))
+    container = _container(objects)
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    pod_labels = _one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    (svc,) = [s for s in chartlib.by_kind(objects, "Service") if s["metadata"]["name"]
+              .endswith("-metrics")]  # fmt: skip
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics",
+                                     "protocol": "TCP"}]  # fmt: skip
+    monitor = _one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [chartlib.DEFAULT_NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics",
+                                             "interval": "15s"}]  # fmt: skip
+
+
+def _head_pod_template() -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """Labels and ports of a head pod as KubeRay makes it from our RayCluster: the template's
+    labels (KubeRay keeps them) plus KubeRay's own ray.io/node-type."""
+    raw = {"model": "m", "dataParallel": {"size": 4, "ranksPerNode": 2},
+           "service": {"port": 8123}}  # fmt: skip
+    spec = validate("demo", raw)
+    cluster = build_raycluster("demo", "ns1", spec, build_plan(spec), RenderOptions(), None)
+    template = cluster["spec"]["headGroupSpec"]["template"]
+    labels = {**template["metadata"]["labels"], c.LABEL_RAY_NODE_TYPE: "head"}
+    return labels, template["spec"]["containers"][0]["ports"]
+
+
+def test_engine_pod_monitor_selects_head_pods_on_the_serving_port(helm_bin: str) -> None:
+    monitor = _one(chartlib.render((MONITORING,)), "PodMonitor")
+    labels, ports = _head_pod_template()
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= labels.items()
+    assert selector[c.LABEL_RAY_NODE_TYPE] == "head"  # not the worker pods
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert {"name": endpoint["port"], "containerPort": 8123} in ports
+    assert endpoint["path"] == "/metrics" and endpoint["interval"] == "10s"
+    relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert relabel["vllmdataparallel"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"]
+    assert relabel["namespace"] == ["__meta_kubernetes_namespace"]
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_engine_pod_monitor_follows_the_watched_namespace(helm_bin: str) -> None:
+    objects = chartlib.render((MONITORING,), ("watchNamespace=team-a",))
+    monitor = _one(objects, "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+
+
+def test_dashboard_config_map_carries_the_dashboard(helm_bin: str) -> None:
+    cm = _one(chartlib.render((MONITORING,)), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((chartlib.CHART / "dashboards" / "vllm-dp.json").read_text())
+    assert json.loads(cm["data"]["vllm-dp.json"]) == shipped
+
+
+def test_service_monitor_without_a_port_is_refused(helm_bin: str) -> None:
+    proc = chartlib.helm("template", *chartlib.template_args(
+        (MONITORING,), ("metrics.port=0",)), check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "metrics.serviceMonitor.enabled needs metrics.port" in proc.stderr
+
+
+@pytest.mark.parametrize("bad", ["metrics.port=70000", "metrics.podMonitor.interval=soon",
+                                 "metrics.nosuch=1"])
+def test_schema_rejects_bad_metrics_values(helm_bin: str, bad: str) -> None:
+    proc = chartlib.helm("template", *chartlib.template_args((), (bad,)), check=False)
+    assert proc.returncode != 0, bad

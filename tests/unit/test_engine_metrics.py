@@ -1,0 +1,70 @@
+"""The /metrics parser behind status.engines, over vLLM 0.33's exposition text (labels
+`model_name` and `engine`), and the status view made of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm_dp_operator.engine_metrics import (
+    EngineLoad,
+    ExpositionError,
+    complete_lines,
+    engines_view,
+    parse_engine_loads,
+    ranks_text,
+)
+
+# Two DP ranks' worth of what vLLM 0.33's API server answers on /metrics (gauges, counters,
+# histograms with buckets, info series, Python's own), trimmed to two ranks.
+SAMPLE = (Path(__file__).parent / "data" / "vllm-0.33-dp2-metrics.txt").read_text()
+
+
+def test_reads_the_three_gauges_per_rank_and_nothing_else() -> None:
+    loads = parse_engine_loads(SAMPLE)
+    assert loads == {
+        0: EngineLoad(0, running=3, waiting=0, kv_cache_usage=0.125),
+        1: EngineLoad(1, running=5, waiting=2, kv_cache_usage=0.375),
+    }
+
+
+def test_a_rank_that_stops_reporting_is_absent() -> None:
+    text = "\n".join(line for line in SAMPLE.splitlines() if 'engine="1"' not in line)
+    assert sorted(parse_engine_loads(text)) == [0]
+    view = engines_view(parse_engine_loads(text), data_parallel_size=2)
+    assert view.missing == [1] and view.running == 3 and view.waiting == 0
+
+
+def test_label_order_escapes_and_timestamps() -> None:
+    text = (
+        'vllm:num_requests_running{model_name="a\\"b,engine=\\"9\\"}",engine="4"} 7 1700000000\n'
+        'vllm:num_requests_waiting{engine="4", model_name="x"} 1.0\n'
+        'vllm:kv_cache_usage_perc{model_name="x",engine="4"} 5.5e-01\n'
+        'vllm:num_requests_running_total{engine="4"} 99\n'  # another family, same prefix
+        'vllm:num_requests_running{model_name="x"} 4\n'  # no engine label: not a rank
+    )
+    assert parse_engine_loads(text) == {4: EngineLoad(4, 7, 1, 0.55)}
+
+
+def test_an_unparseable_wanted_line_is_an_error_naming_it() -> None:
+    with pytest.raises(ExpositionError, match="not a number"):
+        parse_engine_loads('vllm:num_requests_running{engine="0"} many\n')
+    with pytest.raises(ExpositionError, match="unterminated"):
+        parse_engine_loads('vllm:num_requests_waiting{engine="0} 1\n')
+
+
+def test_a_cut_response_loses_only_its_partial_last_line() -> None:
+    cut = SAMPLE[: SAMPLE.index('vllm:kv_cache_usage_perc{engine="1"') + 30]
+    loads = parse_engine_loads(complete_lines(cut))
+    assert loads[1].running == 5 and loads[1].kv_cache_usage == 0.0  # not a misread number
+    assert complete_lines("no newline") == ""
+
+
+def test_view_totals_and_missing_ranks() -> None:
+    view = engines_view(parse_engine_loads(SAMPLE), data_parallel_size=4)
+    assert view.engines == [
+        {"rank": 0, "running": 3, "waiting": 0, "kvCacheUsage": 0.125},
+        {"rank": 1, "running": 5, "waiting": 2, "kvCacheUsage": 0.375},
+    ]
+    assert (view.running, view.waiting, view.missing) == (8, 2, [2, 3])
+    assert ranks_text([7, 0, 2, 3, 4]) == "0, 2-4, 7"
