@@ -130,6 +130,7 @@ def pod_monitor_prometheus(vdp: Vdp, workdir: Path) -> Prometheus:
     kubernetes_sd would label them."""
     (monitor,) = [o for o in operatorchart.template("metrics.podMonitor.enabled=true")
                   if o["kind"] == "PodMonitor"]  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
     pods = workdir / "pods.json"
     pods.write_text(json.dumps(pod_targets(
         vdp.cluster.kubectl_json("get", "pods", "--all-namespaces")["items"])))  # fmt: skip
