@@ -1,0 +1,100 @@
+"""R2: the API server down for 10 s in the middle of a burst, and etcd down for 5 s.
+
+The test bed's own processes are killed (SIGKILL: a crash, and a down time that does not wait
+on a graceful shutdown) and started again after the pause (tests/testbed/faults.py). The
+operator keeps its PID through all of it (no crash-loop), and its watches are not stuck: after
+recovery a child deleted by hand comes back at once, though the safety resync is 10 minutes
+away. Every other component of the bed (KubeRay, kwok, the controller-manager) rides the same
+restart, so convergence here is the whole system's.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import faults
+import pytest
+from fleet import converged, explain, get, own_nodes, small
+from operator_proc import OperatorProcess, install_crd
+
+pytestmark = pytest.mark.reliability
+
+BURST = 20
+
+
+@pytest.fixture
+def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    install_crd(testbed)
+    op = OperatorProcess(testbed.env(), tmp_path / "operator.log")
+    op.namespace = testbed_namespace
+    op.start()
+    yield op
+    op.stop()
+
+
+def _children(testbed: Any, ns: str) -> int:
+    return len(get(testbed, ns, "rayclusters")) + len(get(testbed, ns, "services"))
+
+
+def _still_running(op: OperatorProcess, pid: int) -> None:
+    assert op.proc is not None and op.proc.poll() is None and op.proc.pid == pid, (
+        f"the operator exited:\n{op.log_tail()}")
+    assert "Controller task" not in op.log_tail(10**7), op.log_tail()
+
+
+def _service_comes_back(testbed: Any, ns: str, name: str, op: OperatorProcess) -> float:
+    """Delete a resource's API Service by hand; seconds until the operator has made it again."""
+    uid = testbed.kubectl_json("-n", ns, "get", "service", f"{name}-api")["metadata"]["uid"]
+    t0 = time.monotonic()
+    testbed.kubectl("-n", ns, "delete", "service", f"{name}-api", "--wait=true")
+    try:
+        testbed.wait_until(f"{name}-api to be made again", lambda: any(
+            s["metadata"]["name"] == f"{name}-api" and s["metadata"]["uid"] != uid
+            for s in get(testbed, ns, "services")), timeout=30, interval=0.1)  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{explain(testbed, ns, op)}") from exc
+    return time.monotonic() - t0
+
+
+def _restart_mid_burst(testbed: Any, ns: str, op: OperatorProcess, component: str,
+                       down: float, first: int) -> float:  # fmt: skip
+    """Create BURST resources, stop `component` once their children start to appear, start it
+    again after `down` s; return seconds from its return to convergence."""
+    testbed.apply([small(ns, f"{component[:4]}{i:02d}") for i in range(first, first + BURST)])
+    before = _children(testbed, ns)
+    testbed.wait_until("the burst's first children", lambda: _children(testbed, ns) >= before + 4,
+                       timeout=60, interval=0.05)  # fmt: skip
+    faults.restart(testbed.state_dir, component, down, crash=True)
+    back = time.monotonic()
+    try:
+        testbed.wait_until(f"convergence after the {component} restart",
+                           lambda: converged(testbed, ns, first + BURST), timeout=180,
+                           interval=0.5)  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{explain(testbed, ns, op)}\n{component} log:\n"
+                             f"{testbed.log_tail(component)}") from exc
+    return time.monotonic() - back
+
+
+def test_api_server_and_etcd_restarts_mid_burst_converge(
+    testbed: Any, testbed_namespace: str, operator: OperatorProcess
+) -> None:
+    ns = testbed_namespace
+    assert operator.proc is not None
+    pid = operator.proc.pid
+    with own_nodes(testbed, ns, gpus=2 * 2 * BURST):
+        api = _restart_mid_burst(testbed, ns, operator, "kube-apiserver", 10, 0)
+        _still_running(operator, pid)
+        after_api = _service_comes_back(testbed, ns, "kube00", operator)
+        etcd = _restart_mid_burst(testbed, ns, operator, "etcd", 5, BURST)
+        _still_running(operator, pid)
+        after_etcd = _service_comes_back(testbed, ns, "etcd20", operator)
+        sys.stderr.write(f"\n[R2] API server down 10 s mid-burst of {BURST}: converged "
+                         f"{api:.1f} s after it was back; etcd down 5 s mid-burst of {BURST}: "
+                         f"{etcd:.1f} s; a deleted Service made again {after_api:.2f} s / "
+                         f"{after_etcd:.2f} s after each (watches live)\n")  # fmt: skip
+        testbed.kubectl("-n", ns, "delete", "vdp", "--all", "--wait=false")
