@@ -19,6 +19,10 @@ from scenario import example
 from vllm_dp_operator import constants as c
 
 NODE_LABEL = "vllmdp.io/reliability"
+# For the many-resource tests: no /health or Ray job API probes through the API server (kwok
+# pods answer neither), so what loads the API server is the reconciles the faults cause.
+QUIET = {"VLLMDP_HEALTH_PROBE": "off", "VLLMDP_PROBE_LAUNCHING_SECONDS": "60",
+         "VLLMDP_PROBE_SERVING_SECONDS": "60"}
 OWNED_KINDS = ("rayclusters", "services", "rayjobs")
 GPUS_PER_NODE = 8
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet import converged, explain, get, own_nodes, small
+from fleet import QUIET, converged, explain, get, own_nodes, small
 from operator_proc import OperatorProcess, install_crd
 from vllm_dp_operator import constants as c
 
@@ -27,7 +27,7 @@ LEGACY_FINALIZER = f"{c.GROUP}/finalizer"
 @pytest.fixture
 def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log")
+    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
     op.namespace = testbed_namespace
     op.start()
     yield op

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet import converged, explain, get, own_nodes, small
+from fleet import QUIET, converged, explain, get, own_nodes, small
 from operator_proc import OperatorProcess, install_crd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.reliability
 @pytest.fixture
 def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log")
+    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
     op.namespace = testbed_namespace
     op.start()
     yield op

@@ -12,7 +12,7 @@ from typing import Any
 
 import faults
 import pytest
-from fleet import converged, explain, get, own_nodes, small
+from fleet import QUIET, converged, explain, get, own_nodes, small
 from kubernetes_asyncio import client, config
 from operator_proc import OperatorProcess, install_crd
 from vllm_dp_operator import constants as c
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.reliability
 @pytest.fixture
 def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log")
+    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
     op.namespace = testbed_namespace
     op.start()
     yield op

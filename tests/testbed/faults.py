@@ -1,5 +1,6 @@
 """Faults injected into a running test bed: stop one of its own components (etcd, the API
-server) for a while, then start it again exactly as it was started.
+server) for a while, then start it again exactly as it was started; or freeze one (SIGSTOP)
+for a while, so that it answers nothing and then carries on where it was.
 
 The component is found in the state dir's `pids.json` (PID, binary, argv recorded by
 procs.Launcher), stopped by that PID (SIGTERM, or SIGKILL for a crash), and started again by a
@@ -62,3 +63,15 @@ def restart(root: Path, name: str, down_seconds: float, crash: bool = False) -> 
     rec = stop_component(root, name, crash)
     time.sleep(down_seconds)
     return start_component(root, name, rec)
+
+
+def pause(root: Path, name: str, seconds: float) -> None:
+    """Freeze a recorded component for `seconds` (SIGSTOP, then SIGCONT), by its PID."""
+    rec = State(root).pids().get(name)
+    if rec is None or not pid_matches(rec["pid"], rec["exe"]):
+        raise RuntimeError(f"{name} is not running as recorded in {root / 'pids.json'}")
+    os.kill(rec["pid"], signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(rec["pid"], signal.SIGCONT)
