@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ def _still_running(op: OperatorProcess, pid: int) -> None:
     assert op.proc is not None and op.proc.poll() is None and op.proc.pid == pid, (
         f"the operator exited:\n{op.log_tail()}")
     assert "Controller task" not in op.log_tail(10**7), op.log_tail()
+    # Its liveness probe (every reflector and worker alive) answers as before.
+    with urllib.request.urlopen(f"http://127.0.0.1:{op.port}/healthz", timeout=5) as resp:
+        assert resp.status == 200
 
 
 def _service_comes_back(testbed: Any, ns: str, name: str, op: OperatorProcess) -> float:

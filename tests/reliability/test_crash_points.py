@@ -35,12 +35,16 @@ POINTS = 20
 # Kill after this many creates by the incarnation just started, in turn: about 105 of the 150
 # creates happen under the schedule, the rest after the last restart.
 SCHEDULE = (6, 7, 8, 0)
+CHILDREN = 3 * RESOURCES
+# Two workers, not 16: a kill lands within a create or two of its point instead of after a
+# dozen concurrent ones, so the points spread over the whole reconcile.
+WORKERS = {"VLLMDP_WORKERS": "2"}
 
 
 @pytest.fixture
 def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
+    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", {**QUIET, **WORKERS})
     op.namespace = testbed_namespace
     yield op
     op.stop()
@@ -56,20 +60,24 @@ async def _crash_points(testbed: Any, ns: str, op: OperatorProcess) -> list[int]
     async with (client.ApiClient() as raw,
                 WatchLog(ApiKube(raw), ns, [RAYCLUSTER, SERVICE, RAYJOB]) as log):
         await asyncio.to_thread(op.start)
-        await asyncio.to_thread(testbed.apply, [small(ns, f"r{i:02d}") for i in range(RESOURCES)])
 
         def created() -> int:
             return sum(1 for s in log.seen if s.type == "ADDED" and _ours(s.obj))
 
+        # The burst goes in while the first crash point is counted (kubectl takes a while).
+        burst = asyncio.create_task(asyncio.to_thread(
+            testbed.apply, [small(ns, f"r{i:02d}") for i in range(RESOURCES)]))
         killed_at = []
         for point in range(POINTS):
             # The k-th create of this incarnation; k = 0 kills it as soon as it is live, while
-            # it lists and fills its caches.
-            k, start = SCHEDULE[point % len(SCHEDULE)], created()
+            # it lists and fills its caches. Once every child exists, k is 0.
+            start = created()
+            k = min(SCHEDULE[point % len(SCHEDULE)], CHILDREN - start)
             await log.wait_until(f"crash point {point + 1}: {k} creates after {start}",
                                  lambda k=k, start=start: created() >= start + k, timeout=120)
             op.kill(signal.SIGKILL)
             killed_at.append(created())
+            await burst
             await asyncio.to_thread(op.start)
         await asyncio.to_thread(testbed.wait_until, "every resource to converge",
                                 lambda: converged(testbed, ns, RESOURCES), 240, 1.0)
@@ -78,7 +86,7 @@ async def _crash_points(testbed: Any, ns: str, op: OperatorProcess) -> list[int]
                        for s in log.seen if s.type == "ADDED" and _ours(s.obj))
     twice = {k: n for k, n in made.items() if n > 1}
     assert not twice, f"children created more than once: {twice}"
-    assert len(made) == 3 * RESOURCES, f"expected one of each child per resource: {len(made)}"
+    assert len(made) == CHILDREN, f"expected one of each child per resource: {len(made)}"
     return killed_at
 
 
