@@ -8,7 +8,8 @@ TESTBED := $(BIN)/python tests/testbed/testbed.py
 IMAGES := $(BIN)/python tests/testbed/images.py
 ENGINE_IMAGE ?= vllm-dp-engine:0.1.0
 OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
-EXAMPLE ?= examples/dp8-rpn4-tp1.yaml
+EXAMPLE ?=
+SIM ?=
 
 .PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build testbed-up testbed-down cluster-build cluster-up \
@@ -86,10 +87,10 @@ cluster-down: ## Stop the real-node test bed and remove everything it made on th
 cluster-status: ## Which components of the real-node test bed are alive
 	$(TESTBED) cluster status
 
-dev: venv ## Test bed + operator + $(EXAMPLE), then show what it made (no GPU or Docker)
-	$(BIN)/python hack/dev.py up --example $(EXAMPLE)
+dev: venv ## Real nodes + helm-installed operator + real vLLM (examples/dev-cpu.yaml) until Serving, as root; SIM=1: kwok nodes
+	$(BIN)/python hack/dev.py up $(if $(SIM),--sim) $(if $(EXAMPLE),--example $(EXAMPLE))
 
-dev-down: ## Stop what `make dev` started
+dev-down: ## Stop what `make dev` (either mode) started
 	$(BIN)/python hack/dev.py down
 
 bench-controlplane: ## P1-P4 of docs/benchmarks.md on the test bed; last line is one JSON object

@@ -1,8 +1,14 @@
-"""`make dev`: the test bed, the operator and one example, with no GPU or Docker needed.
+"""`make dev`: the operator serving one example on a local test bed, with no GPU or Docker.
 
-`up` builds or reuses the control-plane binaries, starts the test bed, installs the CRD,
-starts the operator in the background (PID and log under the test bed's state dir), applies
-the example and prints what it made once the head job exists. `down` undoes all of it.
+Real (default, root): the real-node bed (two kubelets, containerd, KubeRay), the operator and
+CPU engine images imported into each node, the operator installed by `helm install` of the
+chart, `examples/dev-cpu.yaml` applied; waits for `Serving` and prints the phase, the pods on
+their nodes and a `curl` that answers from the host through the Service's ClusterIP.
+
+`--sim` (`make dev SIM=1`): the kwok bed (4 simulated 8-GPU nodes, pods run nothing), the
+operator as a local process, an example applied; prints what it made once the head job exists.
+
+`down` stops whichever is up; both leave nothing behind.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,25 +26,76 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").resolve()
-DEV = STATE / "dev"
+SIM_STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").resolve()
+REAL_STATE = Path(os.environ.get("VLLMDP_CLUSTER_DIR") or REPO / ".cluster").resolve()
+DEV = SIM_STATE / "dev"
 TESTBED = [sys.executable, str(REPO / "tests" / "testbed" / "testbed.py")]
 OPERATOR_ENV = {"VLLMDP_PROBE_LAUNCHING_SECONDS": "2"}
+REAL_EXAMPLE = REPO / "examples" / "dev-cpu.yaml"
+SIM_EXAMPLE = REPO / "examples" / "dp8-rpn4-tp1.yaml"
+IMAGES = ("vllm-dp-operator", "vllm-dp-engine-cpu")
 
 
 def _testbed(*args: str) -> None:
-    env = {**os.environ, "VLLMDP_TESTBED_DIR": str(STATE)}
+    env = {**os.environ, "VLLMDP_TESTBED_DIR": str(SIM_STATE),
+           "VLLMDP_CLUSTER_DIR": str(REAL_STATE)}  # fmt: skip
     subprocess.run([*TESTBED, *args], check=True, env=env)
 
 
-def _kubectl(*args: str, input: str | None = None, capture: bool = True) -> str:
-    kubectl = json.loads((STATE / "testbed.json").read_text()).get("bin_dir")
+def _kubectl(state: Path, *args: str, input: str | None = None) -> str:
+    kubectl = json.loads((state / "testbed.json").read_text()).get("bin_dir")
     exe = str(Path(kubectl) / "kubectl") if kubectl else "kubectl"
-    proc = subprocess.run([exe, f"--kubeconfig={STATE / 'kubeconfig'}", *args], input=input,
-                          text=True, capture_output=capture, check=True)  # fmt: skip
+    proc = subprocess.run([exe, f"--kubeconfig={state / 'kubeconfig'}", *args], input=input,
+                          text=True, capture_output=True, check=True)  # fmt: skip
     return proc.stdout or ""
 
 
+def _wait(what: str, check: object, timeout: float, hint: str) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()  # type: ignore[operator]
+        if got:
+            return got
+        time.sleep(2)
+    sys.exit(f"no {what} within {timeout:.0f}s; {hint}")
+
+
+# --- real nodes ------------------------------------------------------------------------------
+def up_real(example: Path, timeout: float) -> None:
+    """Real nodes, images, the chart, the example; wait for Serving and show how to call it."""
+    if os.geteuid() != 0:
+        sys.exit("make dev runs real kubelets and containerd: run it as root (or `make dev SIM=1`)")
+    t0 = time.monotonic()
+    _testbed("cluster", "up")
+    _testbed("cluster", "load", *IMAGES)
+    _testbed("cluster", "operator")
+    doc = yaml.safe_load(example.read_text())
+    ns, name = doc["metadata"].get("namespace", "default"), doc["metadata"]["name"]
+    _kubectl(REAL_STATE, "apply", "-f", str(example))
+    print(f"applied {example.relative_to(REPO)}; waiting for Serving (up to {timeout:.0f}s)",
+          flush=True)  # fmt: skip
+
+    def serving() -> bool:
+        st = json.loads(_kubectl(REAL_STATE, "-n", ns, "get", "vdp", name, "-o", "json"))
+        return (st.get("status") or {}).get("phase") == "Serving"
+
+    hint = (f"see `kubectl -n {ns} describe vdp {name}` and "
+            f"`kubectl -n vllm-dp-system logs deploy/vdp-vllm-dp-operator`")  # fmt: skip
+    _wait(f"Serving for {name}", serving, timeout, hint)
+    took = time.monotonic() - t0
+    print(_kubectl(REAL_STATE, "-n", ns, "get", "vdp", name))
+    print(_kubectl(REAL_STATE, "-n", ns, "get", "pods", "-o", "wide"))
+    svc = json.loads(_kubectl(REAL_STATE, "-n", ns, "get", "svc", f"{name}-api", "-o", "json"))
+    port = svc["spec"]["ports"][0]["port"]
+    model = doc["spec"].get("servedModelName") or doc["spec"]["model"]
+    body = json.dumps({"model": model, "prompt": "Hello, my name is", "max_tokens": 16})
+    curl = (f"curl -s http://{svc['spec']['clusterIP']}:{port}/v1/completions "
+            f"-H 'Content-Type: application/json' -d {shlex.quote(body)}")  # fmt: skip
+    print(f"Serving {took:.0f}s after `make dev` started. From this host:\n  {curl}")
+    print(f"export KUBECONFIG={REAL_STATE / 'kubeconfig'}   # then: kubectl get vdp -A")
+
+
+# --- kwok (SIM=1) ----------------------------------------------------------------------------
 def _operator_alive() -> bool:
     pid_file = DEV / "operator.pid"
     if not pid_file.exists():
@@ -55,9 +113,9 @@ def _start_operator() -> None:
         return
     DEV.mkdir(parents=True, exist_ok=True)
     # The proxied probe only where the test bed routes pod IPs into its own namespace.
-    probe = "apiserver-proxy" if (STATE / "pod_network.json").exists() else "off"
+    probe = "apiserver-proxy" if (SIM_STATE / "pod_network.json").exists() else "off"
     env = {**os.environ, **OPERATOR_ENV, "VLLMDP_HEALTH_PROBE": probe,
-           "KUBECONFIG": str(STATE / "kubeconfig")}
+           "KUBECONFIG": str(SIM_STATE / "kubeconfig")}
     cmd = [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
            "-m", "vllm_dp_operator.handlers"]  # fmt: skip
     with (DEV / "operator.log").open("ab") as log:
@@ -67,34 +125,32 @@ def _start_operator() -> None:
     print(f"operator: started, PID {proc.pid}, log {DEV / 'operator.log'}")
 
 
-def up(example: Path, timeout: float) -> None:
-    """Bring everything up and apply the example."""
+def up_sim(example: Path, timeout: float) -> None:
+    """The kwok bed, the operator as a process, the example; show what it made."""
     _testbed("up")
     from vllm_dp_operator.crd import build_crd
 
-    _kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+    _kubectl(SIM_STATE, "apply", "--server-side", "--force-conflicts", "-f", "-",
              input=yaml.safe_dump(build_crd()))  # fmt: skip
-    _kubectl("wait", "--for=condition=Established", "crd/vllmdataparallels.vllmdp.io")
+    _kubectl(SIM_STATE, "wait", "--for=condition=Established", "crd/vllmdataparallels.vllmdp.io")
     _start_operator()
     doc = yaml.safe_load(example.read_text())
-    ns = doc["metadata"].get("namespace", "default")
-    _kubectl("apply", "-f", str(example))
-    name = doc["metadata"]["name"]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        head_job = json.loads(_kubectl("-n", ns, "get", "vdp", name, "-o", "json")).get(
-            "status", {}).get("headJob")  # fmt: skip
-        if head_job and _kubectl("-n", ns, "get", "rayjob", head_job, "--ignore-not-found"):
-            break
-        time.sleep(1)
-    else:
-        sys.exit(f"no head job for {name} within {timeout:.0f}s; see {DEV / 'operator.log'}")
-    print(_kubectl("-n", ns, "get", "vdp,raycluster,rayjob,svc,pods", "-o", "wide"))
-    print(f"export KUBECONFIG={STATE / 'kubeconfig'}   # then: kubectl get vdp -A")
+    ns, name = doc["metadata"].get("namespace", "default"), doc["metadata"]["name"]
+    _kubectl(SIM_STATE, "apply", "-f", str(example))
+
+    def head_job() -> bool:
+        st = json.loads(_kubectl(SIM_STATE, "-n", ns, "get", "vdp", name, "-o", "json"))
+        job = (st.get("status") or {}).get("headJob")
+        return bool(job and _kubectl(SIM_STATE, "-n", ns, "get", "rayjob", job,
+                                     "--ignore-not-found"))  # fmt: skip
+
+    _wait(f"head job for {name}", head_job, timeout, f"see {DEV / 'operator.log'}")
+    print(_kubectl(SIM_STATE, "-n", ns, "get", "vdp,raycluster,rayjob,svc,pods", "-o", "wide"))
+    print(f"export KUBECONFIG={SIM_STATE / 'kubeconfig'}   # then: kubectl get vdp -A")
 
 
 def down() -> None:
-    """Stop the operator, then the test bed."""
+    """Stop whichever bed is up: the local operator and the kwok bed, or the real nodes."""
     pid_file = DEV / "operator.pid"
     if _operator_alive():
         pid = int(pid_file.read_text())
@@ -109,21 +165,28 @@ def down() -> None:
             os.kill(pid, signal.SIGKILL)
         print(f"operator: stopped PID {pid}")
     pid_file.unlink(missing_ok=True)
-    _testbed("down")
+    if (SIM_STATE / "pids.json").exists():
+        _testbed("down")
+    if (REAL_STATE / "pids.json").exists() or (REAL_STATE / "host.json").exists():
+        _testbed("cluster", "down")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up")
-    p_up.add_argument("--example", type=Path, default=REPO / "examples" / "dp8-rpn4-tp1.yaml")
-    p_up.add_argument("--timeout", type=float, default=180)
+    p_up.add_argument("--sim", action="store_true", help="kwok nodes instead of real ones")
+    p_up.add_argument("--example", type=Path, help="default: dev-cpu.yaml (real), "
+                      "dp8-rpn4-tp1.yaml (--sim)")  # fmt: skip
+    p_up.add_argument("--timeout", type=float, help="default: 900 s (real), 180 s (--sim)")
     sub.add_parser("down")
     args = parser.parse_args()
-    if args.cmd == "up":
-        up(args.example, args.timeout)
-    else:
+    if args.cmd == "down":
         down()
+    elif args.sim:
+        up_sim((args.example or SIM_EXAMPLE).resolve(), args.timeout or 180)
+    else:
+        up_real((args.example or REAL_EXAMPLE).resolve(), args.timeout or 900)
 
 
 if __name__ == "__main__":

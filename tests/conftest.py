@@ -1,8 +1,15 @@
-"""Options shared by every test tier."""
+"""Options shared by every test tier, and the per-tier wall time printed at the end of a run."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from pathlib import Path
+
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+_tier_seconds: defaultdict[str, float] = defaultdict(float)
+_tier_counts: defaultdict[str, int] = defaultdict(int)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -12,3 +19,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="rewrite tests/golden/ from the current renderers instead of comparing",
     )
+
+
+def _tier(report: pytest.TestReport) -> str:
+    """The tier of a test: its top folder under tests/ (unit, chart, controlplane, ...)."""
+    first = report.nodeid.split("::", 1)[0]
+    parts = Path(first).parts
+    if parts and parts[0] == "tests":
+        parts = parts[1:]
+    return parts[0] if len(parts) > 1 else "."
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # setup + call + teardown: a tier's test bed starts and stops in its fixtures.
+    _tier_seconds[_tier(report)] += report.duration
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        _tier_counts[_tier(report)] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per tier: tests run and seconds spent (the README's table of tier times)."""
+    if len(_tier_seconds) < 2:
+        return
+    terminalreporter.section("time per tier")
+    for tier, seconds in sorted(_tier_seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{tier:<14} {_tier_counts[tier]:>5} tests {seconds:>9.1f} s")

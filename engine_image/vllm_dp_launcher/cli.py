@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--node-ip",
-        help="with --dry-run: the data-parallel address to show instead of asking Ray",
+        help="with --dry-run: the data-parallel address to show instead of asking Ray "
+        "(asked only when --ray-address or RAY_ADDRESS says where it is)",
     )
     parser.add_argument(
         "--progress-interval",
@@ -106,6 +107,17 @@ def resolve_dry_run_address(
     if env.get(HOST_IP_ENV):
         return env[HOST_IP_ENV], HOST_IP_ENV
     return ADDRESS_PLACEHOLDER, "placeholder"
+
+
+def dry_run_ray_ip(ray_address: str | None, env: Mapping[str, str]) -> str | None:
+    """Ask Ray for this node's IP only when told where Ray is (--ray-address or RAY_ADDRESS).
+
+    Ray's ``auto`` would otherwise scan this machine's processes for any GCS and may attach a
+    dry run to an unrelated cluster, or wait on one that does not answer.
+    """
+    if not (ray_address or env.get("RAY_ADDRESS")):
+        return None
+    return raycluster.try_own_node_ip(ray_address)
 
 
 def dry_run_report(
@@ -265,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
         plan = read_plan(args)
         if args.dry_run:
             address, source = resolve_dry_run_address(
-                args.node_ip, lambda: raycluster.try_own_node_ip(args.ray_address), os.environ
+                args.node_ip, lambda: dry_run_ray_ip(args.ray_address, os.environ), os.environ
             )
             report = dry_run_report(plan, address, source, os.environ)
             # UTF-8 whatever the locale: non-ASCII in the plan prints as itself.

@@ -8,6 +8,8 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
+from vllm_dp_launcher.stages import parse_stage_lines
+
 from vllm_dp_operator import constants
 from vllm_dp_operator.ray_dashboard import UNKNOWN, RayJobLookup
 from vllm_dp_operator.status import parse_rfc3339
@@ -47,11 +49,30 @@ def job_failure_detail(job: Mapping[str, Any]) -> str:
     return ", ".join(parts) or "no detail from KubeRay"
 
 
+# Ray appends the job's last logs (up to 20,000 characters) to a failed job's message.
+RAY_LOGS_MARKER = "last available logs"
+MESSAGE_LIMIT = 400
+
+
+def ray_message(message: str) -> str:
+    """A Ray job message short enough for status and Events: Ray's own words without the log
+    tail it appends, plus the launcher's `exited` stage line from that tail (status, cause)."""
+    head, marker, logs = message.partition(RAY_LOGS_MARKER)
+    head = head.rstrip(" ,(:") if marker else head
+    if len(head) > MESSAGE_LIMIT:
+        head = head[: MESSAGE_LIMIT - 3] + "..."
+    exited = [s for s in parse_stage_lines(logs) if s.name == "exited"]
+    if exited:
+        fields = " ".join(f"{k}={v}" for k, v in exited[-1].fields.items())
+        head += f"; launcher: stage=exited {fields}"
+    return head
+
+
 def failure_reason(job: Mapping[str, Any]) -> str:
     """Why a failed or ended head job counts as a failure, in words."""
     status = job.get("status") or {}
     ray_status = status.get("jobStatus")
-    message = f": {status['message']}" if status.get("message") else ""
+    message = f": {ray_message(str(status['message']))}" if status.get("message") else ""
     if status.get("jobDeploymentStatus") == "ValidationFailed":
         return f"KubeRay rejected the RayJob (ValidationFailed{message})"
     if ray_status == "SUCCEEDED" or status.get("jobDeploymentStatus") == "Complete":

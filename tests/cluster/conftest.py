@@ -18,6 +18,9 @@ import pytest
 
 from .bed import RunningCluster, testbed_cli
 
+# The bed's own smoke tests first (cheap, and they explain a broken bed), the operator
+# scenarios next, the check that `down` leaves nothing last.
+FIRST = ("test_realnodes_bed.py",)
 LAST = ("test_realnodes_down.py",)
 
 
@@ -32,11 +35,11 @@ def _bail(msg: str, *, skippable: bool) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Within this package, run the modules in LAST after every other test."""
+    """Within this package, run the modules in FIRST first and those in LAST last."""
     here = os.path.dirname(__file__)
     slots = [i for i, it in enumerate(items) if str(it.path).startswith(here + os.sep)]
     ours = [items[i] for i in slots]
-    ours.sort(key=lambda it: it.path.name in LAST)  # stable: keeps the order otherwise
+    ours.sort(key=lambda it: (it.path.name not in FIRST) + 2 * (it.path.name in LAST))  # stable
     for i, it in zip(slots, ours, strict=True):
         items[i] = it
 
@@ -78,3 +81,12 @@ def ns(cluster: RunningCluster, request: pytest.FixtureRequest) -> Iterator[str]
         yield name
     finally:
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="package")
+def operator(cluster: RunningCluster) -> RunningCluster:
+    """The operator, installed by `helm install` of the chart with its image in every node."""
+    from .vdp import install_operator
+
+    install_operator(cluster)
+    return cluster

@@ -162,7 +162,12 @@ def test_serving_once_health_answers_and_only_then_the_service_routes(
         ready = next(c for c in st["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "True" and "200" in ready["message"]
         assert "-head-svc:8000" in ready["message"]  # asked of the head pod itself
-        assert any(e.get("reason") == "EngineHealthy" for e in items(testbed, ns, "events"))
+        # Events have their own writer, which may post just after the status patch.
+        testbed.wait_until(
+            "an EngineHealthy event",
+            lambda: any(e.get("reason") == "EngineHealthy" for e in items(testbed, ns, "events")),
+            timeout=15,
+        )
         testbed.wait_until("the API Service to route to the head",
                            lambda: api_endpoints(testbed, ns, "serving") == [pod_ip])
     st = wait_phase(testbed, ns, "serving", "Launching", timeout=60)

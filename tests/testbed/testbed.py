@@ -19,6 +19,9 @@ in `.cluster/` or $VLLMDP_CLUSTER_DIR.
     testbed.py cluster import [--node N] TAR...   image archives into the nodes (skips same image)
     testbed.py cluster content NODE        blobs a node holds (for images.py oci --have)
     testbed.py cluster images              what each node holds
+    testbed.py cluster load NAME...        images.py images into every node, only missing blobs
+    testbed.py cluster operator [--set K=V]   the operator image into every node, helm install
+    testbed.py cluster operator-down       helm uninstall
     testbed.py cluster env | status | down | leftovers | cached
 
 Binaries are cached in ${VLLMDP_CACHE:-${XDG_CACHE_HOME:-~/.cache}/vllm-dp-operator}/testbed/.
@@ -31,14 +34,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import binaries
 import faults
 import kwoknodes
+import operatorchart
 import realbed
 import realnodes
-from common import BuildError
+from common import BuildError, log
 from procs import State
 
 
@@ -98,6 +103,13 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     i.add_argument("--node", help="only this node (default: every node)")
     c = csub.add_parser("content", help="digests a node's content store holds (one a line)")
     c.add_argument("node")
+    ld = csub.add_parser("load", help="build (or reuse) images.py images and import into every "
+                         "node only the blobs it lacks")  # fmt: skip
+    ld.add_argument("names", nargs="+")
+    o = csub.add_parser("operator", help="import the operator image, `helm install` the chart")
+    o.add_argument("--set", dest="values", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra chart value (repeatable)")
+    csub.add_parser("operator-down", help="`helm uninstall` the operator")
     for name, text in (("images", "list each node's images"), ("down", "stop and clean up"),
                        ("cached", "exit 0 when every binary and image is cached"),
                        ("env", "print shell exports"), ("status", "which components live"),
@@ -128,13 +140,19 @@ def _cluster(a: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             realbed.down(st)
             raise
-    elif a.ccmd in ("import", "images", "content") and not realbed.healthy(st):
+    elif a.ccmd == "operator":
+        operatorchart.install(st, extra=tuple(a.values))
+    elif a.ccmd == "operator-down":
+        operatorchart.uninstall(st)
+    elif a.ccmd in ("import", "images", "content", "load") and not realbed.healthy(st):
         raise RuntimeError(f"no healthy real-node bed in {st.root}; run `cluster up`")
     elif a.ccmd == "import":
         nodes = [n for n in realbed.nodes_of(st) if a.node in (None, n.name)]
         if not nodes:
             raise ValueError(f"--node {a.node}: no such node")
         realnodes.log_import(nodes, a.archives)
+    elif a.ccmd == "load":
+        _load(st, a.names)
     elif a.ccmd == "content":
         nodes = [n for n in realbed.nodes_of(st) if n.name == a.node]
         if not nodes:
@@ -158,6 +176,25 @@ def _cluster(a: argparse.Namespace) -> int:
         print("\n".join(left) if left else "nothing left")
         return 1 if left else 0
     return 0
+
+
+def _load(st: State, names: list[str]) -> None:
+    """Each image into each node as an OCI tar less the blobs that node holds: a changed top
+    layer costs its own size, not the image's (the CPU engine's vLLM layer is 2.4 GB)."""
+    import images
+
+    for name in names:
+        images.build([name])
+        for node in realbed.nodes_of(st):
+            out = st.root / f"load-{name}-{node.name}.oci.tar"
+            try:
+                images.oci_archive(name, out, realnodes.content_digests(node))
+                t0 = time.monotonic()
+                said = realnodes.import_image(node, out)
+                log(f"{said} (delta {out.stat().st_size / 1e6:.0f} MB, "
+                    f"{time.monotonic() - t0:.1f}s)")  # fmt: skip
+            finally:
+                out.unlink(missing_ok=True)
 
 
 def _kwok(a: argparse.Namespace) -> int:

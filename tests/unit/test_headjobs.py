@@ -215,3 +215,21 @@ async def test_time_based_steps_ask_for_a_reconcile_when_they_are_due() -> None:
     w = await launched(spec(launch={"timeoutSeconds": 600}))
     out = await w.step(advance=100)
     assert out.retry_after == pytest.approx(501)  # the launch deadline (+1 s of rounding)
+
+
+def test_failure_reason_leaves_out_the_log_tail_ray_appends() -> None:
+    """Seen on real pods: a failed Ray job's message carries up to 20,000 characters of its
+    logs; status and Events get Ray's own words and the launcher's `exited` line only."""
+    from vllm_dp_operator.jobstate import failure_reason
+
+    logs = "\n".join(["(EngineCoreActor pid=336) Loading safetensors ..."] * 400 + [
+        "2026-11-30 14:44:40,048 vllm-dp-launcher stage=exited status=6 cause=engine-ended "
+        "engine_status=0"])  # fmt: skip
+    message = ("Job entrypoint command failed with exit code 6, last available logs "
+               f"(truncated to 20,000 chars):\n{logs}\n")  # fmt: skip
+    reason = failure_reason({"status": {"jobStatus": "FAILED", "message": message}})
+    assert reason == ("its Ray job failed (Ray job FAILED: Job entrypoint command failed with "
+                      "exit code 6; launcher: stage=exited status=6 cause=engine-ended "
+                      "engine_status=0)")  # fmt: skip
+    short = failure_reason({"status": {"jobStatus": "FAILED", "message": "x" * 5000}})
+    assert len(short) < 500

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_dp_launcher.cli import dry_run_report, main, resolve_dry_run_address
+from vllm_dp_launcher import raycluster
+from vllm_dp_launcher.cli import dry_run_ray_ip, dry_run_report, main, resolve_dry_run_address
 from vllm_dp_launcher.command import build_command, engine_env, engine_env_overrides
 from vllm_dp_launcher.errors import PlanError
 from vllm_dp_launcher.plan import LaunchPlan, parse_plan
@@ -100,6 +101,24 @@ def test_dry_run_address_order(
 ) -> None:
     """--node-ip, else Ray, else VLLM_HOST_IP, else the $(VLLM_HOST_IP) placeholder."""
     assert resolve_dry_run_address(node_ip, lambda: ray_ip, env) == expected
+
+
+@pytest.mark.parametrize(
+    ("ray_address", "env", "asks"),
+    [
+        (None, {}, False),
+        ("10.0.0.9:6379", {}, True),
+        (None, {"RAY_ADDRESS": "10.0.0.9:6379"}, True),
+    ],
+)
+def test_dry_run_asks_ray_only_when_told_where_it_is(
+    ray_address: str | None, env: dict[str, str], asks: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No `auto` discovery: it scans local processes and may find an unrelated cluster."""
+    asked: list[str | None] = []
+    monkeypatch.setattr(raycluster, "try_own_node_ip", lambda a: asked.append(a) or "10.0.0.2")
+    assert dry_run_ray_ip(ray_address, env) == ("10.0.0.2" if asks else None)
+    assert asked == ([ray_address] if asks else [])
 
 
 def test_dry_run_with_placeholder_sets_no_host_ip() -> None:

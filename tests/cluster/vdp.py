@@ -1,0 +1,205 @@
+"""Helpers for the operator scenarios on real nodes: the operator installed by helm, engine
+images in the nodes, and one `VLLMDataParallel` followed through its children, with every wait
+under a deadline that prints the operator's, KubeRay's and the pods' logs when it passes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .bed import REPO, RunningCluster, testbed_cli
+
+sys.path.insert(0, str(REPO / "tests" / "testbed"))
+import imagebuild
+import imagedefs
+import images
+
+OPERATOR_NS = "vllm-dp-system"
+OPERATOR_LABEL = "app.kubernetes.io/name=vllm-dp-operator"
+API_PORT = 8000
+DASHBOARD_PORT = 8265
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def engine_archive(name: str) -> Path:
+    """The image's archive. Outside CI a heavy layer that is not cached yet skips the test
+    (`make images` builds it; the CPU engine takes about 10 minutes cold); in CI it is built
+    (`.ci/run` runs `make images` first, so this is a cache hit)."""
+    top, _ = imagedefs.IMAGES[name]()
+    missing = [d.name for d in top.chain()[:-1] if not imagebuild.cached(d)]
+    if missing and not in_ci():
+        pytest.skip(f"image {name}: layers {missing} not built yet; run `make images` "
+                    f"(or `make image-{name}`) first")  # fmt: skip
+    return images.build([name])[name]
+
+
+def import_engine(cluster: RunningCluster, name: str) -> str:
+    """`testbed.py cluster load NAME`: into every node, only the blobs it lacks (a changed
+    launcher or glue is a few MB; the vLLM layer is imported once per node store, which the
+    bed keeps between runs). Returns what each import did."""
+    engine_archive(name)  # skips or builds, as documented there
+    proc = testbed_cli("load", name, timeout=3600)
+    if proc.returncode != 0:
+        raise AssertionError(f"loading {name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip()
+
+
+def install_operator(cluster: RunningCluster) -> None:
+    """`testbed.py cluster operator`: the operator image into every node, `helm install`."""
+    proc = testbed_cli("operator", timeout=1800)
+    sys.stderr.write(proc.stderr[-2000:])
+    if proc.returncode != 0:
+        diag = cluster.diagnostics(OPERATOR_NS)
+        raise AssertionError(f"installing the operator failed:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}\n{diag}")  # fmt: skip
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> Any:
+    """GET (or POST `body` as JSON) from the host; the answer's JSON (or text)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read().decode()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+# Run inside an engine pod (both images have python3): GET or POST from the pod network.
+_POD_HTTP = ("import json,sys,urllib.request as u;b=sys.argv[2].encode() or None;"
+             "r=u.Request(sys.argv[1],data=b,headers={'Content-Type':'application/json'});"
+             "print(u.urlopen(r,timeout=60).read().decode())")  # fmt: skip
+
+
+@dataclass
+class Vdp:
+    """One VLLMDataParallel in its own namespace, with the cluster it runs on."""
+
+    cluster: RunningCluster
+    ns: str
+    name: str
+
+    # --- reading -------------------------------------------------------------------------
+    def get(self) -> dict[str, Any]:
+        return self.cluster.kubectl_json("get", "vdp", self.name, "-n", self.ns)  # type: ignore[no-any-return]
+
+    def status(self) -> dict[str, Any]:
+        return self.get().get("status") or {}
+
+    def pods(self) -> dict[str, dict[str, Any]]:
+        """The Ray pods by role (`head`, `worker`), running ones only."""
+        items = self.cluster.kubectl_json("get", "pods", "-n", self.ns,
+                                          "-l", "ray.io/node-type")["items"]  # fmt: skip
+        return {p["metadata"]["labels"]["ray.io/node-type"]: p for p in items
+                if p["status"].get("phase") == "Running"
+                and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+
+    def service_ip(self) -> str:
+        svc = self.cluster.kubectl_json("get", "svc", f"{self.name}-api", "-n", self.ns)
+        return str(svc["spec"]["clusterIP"])
+
+    def dashboard_jobs(self) -> dict[str, dict[str, Any]]:
+        """Ray's job table, from the host through the head pod's dashboard: by submission id."""
+        ip = self.pods()["head"]["status"]["podIP"]
+        jobs = http(f"http://{ip}:{DASHBOARD_PORT}/api/jobs/", timeout=10)
+        return {j["submission_id"]: j for j in jobs if j.get("submission_id")}
+
+    def job_logs(self, submission_id: str) -> str:
+        ip = self.pods()["head"]["status"]["podIP"]
+        out = http(f"http://{ip}:{DASHBOARD_PORT}/api/jobs/{submission_id}/logs", timeout=10)
+        return str(out.get("logs", "")) if isinstance(out, dict) else str(out)
+
+    def rayjob(self, name: str) -> dict[str, Any] | None:
+        proc = self.cluster.kubectl("get", "rayjob", name, "-n", self.ns, "-o", "json",
+                                    check=False)  # fmt: skip
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    def children(self) -> list[str]:
+        """Everything left in the namespace that the resource made (names by kind)."""
+        out = self.cluster.kubectl("get", "rayclusters,rayjobs,services,pods", "-n", self.ns,
+                                   "-o", "name").stdout  # fmt: skip
+        return out.split()
+
+    def from_pod(self, url: str, body: dict[str, Any] | None = None) -> Any:
+        """GET/POST from inside the worker pod (another node than the head)."""
+        pod = self.pods()["worker"]["metadata"]["name"]
+        out = self.cluster.exec(self.ns, pod, "python3", "-c", _POD_HTTP, url,
+                                json.dumps(body) if body is not None else "").stdout  # fmt: skip
+        try:
+            return json.loads(out)
+        except ValueError:
+            return out
+
+    # --- waiting -------------------------------------------------------------------------
+    def diagnostics(self) -> str:
+        k = self.cluster.kubectl
+        parts = [k("get", "vdp,raycluster,rayjob,svc,pods", "-n", self.ns, "-o", "wide",
+                   check=False).stdout,
+                 "--- vdp status\n" + json.dumps(self.status_or_none(), indent=1)[-3000:],
+                 "--- operator\n" + k("logs", "-n", OPERATOR_NS, "-l", OPERATOR_LABEL,
+                                      "--tail=80", check=False).stdout[-6000:],
+                 "--- kuberay-operator\n" + self.cluster.log_tail("kuberay-operator", 3000)]
+        for role, pod in self.pods_or_empty().items():
+            logs = k("logs", "-n", self.ns, pod["metadata"]["name"], "--tail=40",
+                     check=False).stdout  # fmt: skip
+            parts.append(f"--- {role} pod {pod['metadata']['name']}\n{logs[-3000:]}")
+        try:
+            for sid, job in self.dashboard_jobs().items():
+                parts.append(f"--- ray job {sid} {job.get('status')}\n"
+                             f"{self.job_logs(sid)[-3000:]}")  # fmt: skip
+        except Exception as e:  # diagnostics must not hide the failure
+            parts.append(f"--- ray jobs: {e!r}")
+        return "\n".join(parts) + "\n" + self.cluster.diagnostics(self.ns)
+
+    def status_or_none(self) -> dict[str, Any] | None:
+        try:
+            return self.status()
+        except AssertionError:
+            return None
+
+    def pods_or_empty(self) -> dict[str, dict[str, Any]]:
+        try:
+            return self.pods()
+        except AssertionError:
+            return {}
+
+    def wait(self, what: str, check: Callable[[], Any], timeout: float,
+             interval: float = 1.0) -> Any:  # fmt: skip
+        """Poll `check` until truthy; past `timeout` fail with everything that explains it."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = check()
+            except (AssertionError, OSError, ValueError, KeyError,
+                    subprocess.SubprocessError) as e:  # fmt: skip
+                last = e
+            else:
+                if last:
+                    return last
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: "
+                             f"{last!r}\n{self.diagnostics()}")  # fmt: skip
+
+    def wait_phase(self, phase: str, timeout: float, job: str | None = None) -> dict[str, Any]:
+        """Wait for `phase` (of head job `job`, if given, else of a job other than none)."""
+        def reached() -> dict[str, Any] | None:
+            st = self.status()
+            ok = st.get("phase") == phase and (job is None or st.get("headJob") == job)
+            return st if ok else None
+        return self.wait(f"phase {phase}" + (f" with head job {job}" if job else ""), reached,
+                         timeout)  # type: ignore[no-any-return]

@@ -1,0 +1,97 @@
+"""The operator in the real-node bed, the way a user installs it: its image imported into every
+node, then `helm install` of the chart from this checkout.
+
+The pod runs the image exactly as the chart's Deployment runs it (in-cluster config, its own
+ServiceAccount, the chart's least-privilege RBAC, the `service-dns` health probe through
+cluster DNS). The only differences from a user's install are local: the image comes from the
+nodes' own stores (`imagePullPolicy: Never`, no registry), and a few timings are shorter so a
+test sees a relaunch in seconds rather than minutes.
+
+    testbed.py cluster operator [--set key=value ...]   # build/import the image, helm install
+    testbed.py cluster operator-down                    # helm uninstall (cluster down does too)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import images
+import realbed
+import realnodes
+from common import BuildError, log
+from procs import State
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "vllm-dp-operator"
+ENSURE_HELM = REPO / "tests" / "chart" / "ensure_helm.sh"
+IMAGE = "vllm-dp-operator"
+RELEASE = "vdp"
+NAMESPACE = "vllm-dp-system"
+# Local image, nothing to pull; quicker probes and backoff than the chart's defaults, so the
+# tier and `make dev` see Serving and a relaunch sooner. Everything else is the chart's.
+VALUES = (f"image.repository={IMAGE}", f"image.tag={images.TAG}", "image.pullPolicy=Never",
+          "healthProbe.mode=service-dns", "healthProbe.launchingSeconds=2",
+          "healthProbe.servingSeconds=5", "backoff.baseSeconds=5", "backoff.capSeconds=60",
+          "stopConfirmSeconds=30")  # fmt: skip
+
+
+def helm_binary() -> str:
+    """$VLLMDP_HELM, else the pinned helm the chart tests build and cache."""
+    if override := os.environ.get("VLLMDP_HELM"):
+        return override
+    proc = subprocess.run(["bash", str(ENSURE_HELM)], capture_output=True, text=True,
+                          timeout=1800)  # fmt: skip
+    if proc.returncode != 0:
+        raise BuildError(f"{ENSURE_HELM} failed:\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _helm(st: State, *args: str, timeout: float = 300) -> str:
+    env = {**os.environ, "KUBECONFIG": str(st.kubeconfig),
+           **{f"HELM_{k}_HOME": str(st.root / "helm" / k.lower())
+              for k in ("CACHE", "CONFIG", "DATA")}}  # fmt: skip
+    proc = subprocess.run([helm_binary(), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm {' '.join(args)} failed (rc={proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")  # fmt: skip
+    return proc.stdout
+
+
+def install(st: State, archive: Path | None = None, extra: tuple[str, ...] = (),
+            timeout: float = 180) -> dict[str, Any]:  # fmt: skip
+    """Import the operator image (built or taken from the cache) into every node and
+    `helm upgrade --install` the chart; return once the operator pod is Ready."""
+    if not realbed.healthy(st):
+        raise RuntimeError(f"no healthy real-node bed in {st.root}; run `cluster up`")
+    t0 = time.monotonic()
+    archive = archive or images.build([IMAGE])[IMAGE]
+    realnodes.log_import(realbed.nodes_of(st), [archive])
+    t_import = time.monotonic() - t0
+    # The tag stays `dev` while the image changes: the image ID on the pod template makes a
+    # rebuilt image roll the Deployment on a bed that already runs an older one.
+    image_id = images.image_id(archive).removeprefix("sha256:")[:16]
+    sets = [*(f"--set={v}" for v in (*VALUES, *extra)),
+            f"--set-string=podAnnotations.vllmdp\\.io/image-id={image_id}"]
+    _helm(st, "upgrade", "--install", RELEASE, str(CHART), f"--namespace={NAMESPACE}",
+          "--create-namespace", *sets, "--wait", f"--timeout={int(timeout)}s",
+          timeout=timeout + 30)  # fmt: skip
+    took = time.monotonic() - t0
+    log(f"operator: image {images.image_id(archive)[:19]} imported in {t_import:.1f}s, "
+        f"chart `{RELEASE}` in {NAMESPACE} Ready after {took:.1f}s")  # fmt: skip
+    return {"release": RELEASE, "namespace": NAMESPACE, "image": images.ref(IMAGE),
+            "image_id": images.image_id(archive), "seconds": round(took, 1)}  # fmt: skip
+
+
+def uninstall(st: State) -> None:
+    """`helm uninstall` the release, if the bed is up and holds it."""
+    if not realbed.healthy(st):
+        return
+    listed = _helm(st, "list", f"--namespace={NAMESPACE}", "-q")
+    if RELEASE in listed.split():
+        _helm(st, "uninstall", RELEASE, f"--namespace={NAMESPACE}", "--wait", "--timeout=60s")
+        log(f"operator: release `{RELEASE}` uninstalled")
