@@ -151,6 +151,18 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert float(env["VLLMDP_STOP_CONFIRM_SECONDS"]) == defaults.stop_confirm_seconds
 
 
+def test_operator_reads_the_rendered_environment(
+    helm_bin: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every VLLMDP_* value as the chart writes it is what the operator parses at start: helm
+    # prints a large number from values.yaml as a float (4.194304e+06), which int() rejects.
+    config = pytest.importorskip("vllm_dp_operator.config")
+    for name, value in _env(_deployment()).items():
+        monkeypatch.setenv(name, value)
+    read = config.Config.from_env()
+    assert read.engine_metrics_max_bytes == config.Config().engine_metrics_max_bytes == 4194304
+
+
 def test_image_and_pull_settings(helm_bin: str) -> None:
     dep = _deployment((CI["single-namespace-cluster-role-values"],))
     c = _container(dep)
