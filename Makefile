@@ -11,7 +11,7 @@ OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
 EXAMPLE ?=
 SIM ?=
 
-.PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-ray \
+.PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane \
         image engine-image e2e-kind images images-smoke
@@ -36,7 +36,7 @@ crds: ## Regenerate the CRD (crds/ and the chart) from the pydantic models
 crds-check: ## Fail when the checked-in CRDs drift from the models
 	$(BIN)/python hack/gen_crds.py --check
 
-test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, ray (CI runs this)
+test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, reliability, ray (CI runs this)
 	$(PYTEST) -m "not vllm and not kind" tests
 
 test-unit: ## Pure tests only (seconds)
@@ -47,6 +47,9 @@ test-chart: ## Helm lint, template, RBAC shape
 
 test-controlplane: ## Real kube-apiserver, etcd, scheduler, kwok GPU nodes and KubeRay
 	$(PYTEST) -m controlplane tests/controlplane
+
+test-reliability: ## Crash points, API-server/etcd restarts, watch faults, fuzzed specs, secrets (control-plane bed)
+	$(PYTEST) -m reliability tests/reliability
 
 test-cluster: ## Real kubelets, containerd, CNI, kube-proxy, CoreDNS and KubeRay on this host (root)
 	$(PYTEST) -m cluster tests/cluster

@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 from vllm_dp_operator import constants
 
 # Kubernetes quantity grammar (resource.Quantity), so bad sizes fail at admission.
 QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i?|[mkMGTPE])?$"
+
+
+def _json_integer(value: Any) -> Any:
+    # The API server takes a JSON integer (or an integral number such as 2.0) and nothing else;
+    # pydantic alone would also read "2" and true as 2, and so accept what admission refuses.
+    if isinstance(value, bool | str):
+        kind = "boolean" if isinstance(value, bool) else "string"
+        raise PydanticCustomError("int_type", "Input should be a valid integer, not a {kind}",
+                                  {"kind": kind})  # fmt: skip
+    return value
+
+
+#: An integer field as the API server reads one. The JSON schema is plain `integer`.
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+#: 1 to 64 as an optional field needs it: constraints inside, so the schema has min/max.
+JsonCount = Annotated[int, Field(ge=1, le=64), BeforeValidator(_json_integer)]
+#: A boolean field as the API server reads one: true or false, never "false" or 0.
+JsonBool = Annotated[bool, Strict()]
 
 
 class ApiModel(BaseModel):
@@ -33,13 +52,13 @@ class PackStrategy(StrEnum):
 class DataParallel(ApiModel):
     """Data-parallel layout: how many engine replicas and how they pack onto GPU pods."""
 
-    size: int = Field(
+    size: JsonInt = Field(
         ge=1,
         le=1024,
         description="Number of data-parallel ranks (vLLM --data-parallel-size). At least 2: "
         "with the Ray backend vLLM resets the DP master address to 127.0.0.1 at DP=1.",
     )
-    ranks_per_node: int = Field(
+    ranks_per_node: JsonInt = Field(
         ge=0,
         le=64,
         description="DP ranks on each GPU pod, the head pod included (vLLM "
@@ -62,10 +81,8 @@ class Gpu(ApiModel):
         max_length=253,
         description="Extended resource name of the GPU (e.g. nvidia.com/gpu, amd.com/gpu).",
     )
-    per_pod: int | None = Field(
+    per_pod: JsonCount | None = Field(
         default=None,
-        ge=1,
-        le=64,
         description="GPUs requested by each Ray pod. Defaults to ranksPerNode x "
         "tensorParallelSize; required for the span strategy.",
     )
@@ -103,7 +120,7 @@ class ModelCache(ApiModel):
         description="Where the claim is mounted; HF_HOME points here. The engine runs as a "
         "non-root user, and the pods' fsGroup makes the claim writable to it.",
     )
-    read_only: bool = Field(default=False, description="Mount the claim read-only.")
+    read_only: JsonBool = Field(default=False, description="Mount the claim read-only.")
 
 
 class EnvVar(ApiModel):
@@ -132,7 +149,7 @@ class EnvVar(ApiModel):
 class LaunchSpec(ApiModel):
     """Deadlines of a head job: how long a launch may take, and how long a stop drains."""
 
-    timeout_seconds: int = Field(
+    timeout_seconds: JsonInt = Field(
         default=constants.DEFAULT_LAUNCH_TIMEOUT_SECONDS,
         ge=5,
         le=7 * 24 * 3600,
@@ -140,7 +157,7 @@ class LaunchSpec(ApiModel):
         "Past it, the head job is stopped and counted as a failure (relaunched with backoff), "
         "and the status names the stage it was stuck in. Allow for the model download.",
     )
-    drain_seconds: int = Field(
+    drain_seconds: JsonInt = Field(
         default=constants.DEFAULT_DRAIN_SECONDS,
         ge=0,
         le=3600,
@@ -163,7 +180,7 @@ class ServiceSpec(ApiModel):
     """The Service exposing vLLM's OpenAI-compatible API server."""
 
     type: ServiceType = Field(default=ServiceType.CLUSTER_IP, description="Service type.")
-    port: int = Field(
+    port: JsonInt = Field(
         default=constants.DEFAULT_SERVING_PORT,
         ge=1,
         le=65535,
@@ -193,16 +210,14 @@ class VLLMDataParallelSpec(ApiModel):
         description="Engine image (vLLM + Ray + launcher); defaults to the operator's setting.",
     )
     data_parallel: DataParallel = Field(description="Data-parallel layout.")
-    tensor_parallel_size: int = Field(
+    tensor_parallel_size: JsonInt = Field(
         default=1,
         ge=1,
         le=64,
         description="GPUs per DP rank (vLLM --tensor-parallel-size).",
     )
-    api_server_count: int | None = Field(
+    api_server_count: JsonCount | None = Field(
         default=None,
-        ge=1,
-        le=64,
         description="API server processes on the head pod (vLLM --api-server-count). Unset "
         "means vLLM's default, one per DP rank. The head pod gets 1 CPU and 2Gi of memory per "
         "API server on top of resources, so this count is part of the cluster shape.",
@@ -260,7 +275,7 @@ class VLLMDataParallelSpec(ApiModel):
     launch: LaunchSpec = Field(
         default_factory=LaunchSpec, description="Launch deadline and stop drain of head jobs."
     )
-    suspend: bool = Field(
+    suspend: JsonBool = Field(
         default=False,
         description="Stop the engines and release the GPU pods, keeping the resource.",
     )

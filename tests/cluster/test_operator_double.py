@@ -4,22 +4,30 @@ Everything is real except vLLM: the operator pod (in-cluster config, its Service
 chart's RBAC, the `service-dns` probe), KubeRay, Ray head and worker pods on two kubelets, the
 head job submitted over the Ray dashboard's HTTP API, the launcher gating on both Ray nodes and
 running its preflight across the pods, cluster DNS, kube-proxy. `vllm` in the image is the
-OpenAI test double (tests/e2e/openai_double.py over tests/doubles/vllm).
+OpenAI test double (tests/e2e/openai_double.py over tests/doubles/vllm), run in its PLACE
+mode: like vLLM's Ray backend it places one GPU placement group per DP rank and starts one
+engine actor in each, and when an actor dies it exits 0, as vLLM does.
 
 What proves what: the pods' nodes (real pods on two nodes), the launcher's stage lines in the
-Ray job log (cross-node Ray), the ClusterIP from the host and a pod (Service), phase `Serving`
-and the stopped old Ray job (the in-cluster operator and its probe).
+Ray job log and the engine actors' nodes (cross-node Ray), the ClusterIP from the host and a
+pod (Service), phase `Serving` and the stopped old Ray job (the in-cluster operator and its
+probe), the worker pod's deletion (a failure counted, a relaunch after the backoff, `Serving`
+again).
 """
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
 
 from .bed import RunningCluster
-from .vdp import API_PORT, Vdp, import_engine
+from .vdp import API_PORT, Vdp, http, import_engine
 
 pytestmark = pytest.mark.cluster
 
@@ -36,6 +44,8 @@ def resource(ns: str, extra_args: list[str]) -> dict[str, Any]:
                      # 2-CPU node, and DP=2 with one rank per pod asks two pods anyway.
                      "apiServerCount": 1, "resources": {"cpu": "1", "memory": "1Gi"},
                      "shmSize": "64Mi", "engineArgs": extra_args,
+                     # The double's PLACE mode: placement groups and engine actors on Ray.
+                     "env": [{"name": "VLLMDP_DOUBLE_PLACE", "value": "1"}],
                      "launch": {"timeoutSeconds": 300, "drainSeconds": 3}}}  # fmt: skip
 
 
@@ -77,8 +87,6 @@ def test_serving_across_two_nodes(vdp: Vdp) -> None:
 def test_service_answers_from_host_and_pod(vdp: Vdp) -> None:
     vdp.wait_phase("Serving", 120)
     ip = vdp.service_ip()
-    from .vdp import http
-
     assert http(f"http://{ip}:{API_PORT}/health") in ("", {})
     out = http(f"http://{ip}:{API_PORT}/v1/completions", {"model": "double", "prompt": "hi"})
     assert out["object"] == "text_completion" and out["model"] == "double"
@@ -101,10 +109,70 @@ def test_engine_only_change_relaunches_on_same_pods(vdp: Vdp) -> None:
     jobs = vdp.dashboard_jobs()
     assert jobs[old_sid]["status"] == "STOPPED", jobs[old_sid]
     ip = vdp.service_ip()
-    from .vdp import http
-
     argv = http(f"http://{ip}:{API_PORT}/double/argv")
     assert "--max-num-seqs=6" in argv["argv"] and "--max-num-seqs=4" not in argv["argv"]
+
+
+def note(msg: str) -> None:
+    sys.stderr.write(f"[double] {msg}\n")
+
+
+def engines_alive(vdp: Vdp) -> list[str] | None:
+    """The nodes (pod IPs) of the current launch's engine actors, from the double's record
+    in the head pod (the last `engines-alive` event there)."""
+    pod = vdp.pods()["head"]["metadata"]["name"]
+    out = vdp.cluster.exec(vdp.ns, pod, "cat", "/tmp/vllm-double.jsonl", check=False).stdout
+    alive = [r for line in out.splitlines() if (r := json.loads(line))["event"] ==
+             "engines-alive"]  # fmt: skip
+    return list(alive[-1]["nodes"]) if alive else None
+
+
+def test_worker_pod_deleted_fails_and_relaunches_with_backoff(vdp: Vdp) -> None:
+    st = vdp.wait_phase("Serving", 120)
+    old_job, failures = st["headJob"], st.get("consecutiveFailures", 0)
+    old_sid = vdp.rayjob(old_job)["status"]["jobId"]  # type: ignore[index]
+    pods = vdp.pods()
+    worker = pods["worker"]["metadata"]
+    ips = {p["status"]["podIP"] for p in pods.values()}
+    nodes = vdp.wait("both engine actors alive", lambda: engines_alive(vdp), 60)
+    assert sorted(nodes) == sorted(ips), (nodes, ips)  # one engine actor on each pod
+    t0 = time.monotonic()
+    vdp.cluster.kubectl("delete", "pod", worker["name"], "-n", vdp.ns, "--wait=false")
+    vdp.wait("the worker pod deleted", lambda: vdp.cluster.kubectl(
+        "get", "pod", worker["name"], "-n", vdp.ns, check=False).returncode != 0, 120)  # fmt: skip
+    note(f"worker pod deleted in {time.monotonic() - t0:.1f}s")
+
+    def failure_counted() -> dict[str, Any] | None:
+        s = vdp.status()
+        return s if s.get("lastFailedJob") == old_job and s.get(
+            "consecutiveFailures", 0) > failures else None  # fmt: skip
+
+    failed = vdp.wait("the head job's failure in status", failure_counted, 180)
+    note(f"failure counted {time.monotonic() - t0:.1f}s after the delete "
+         f"({failed.get('lastFailureReason')})")  # fmt: skip
+    assert "Ray job FAILED" in failed["lastFailureReason"], failed
+    # The double saw its engine actor die and exited 0; the launcher made that a failure.
+    log = vdp.job_logs(old_sid)
+    assert "EngineDeadError" in log, log[-3000:]
+    assert "stage=exited status=6 cause=engine-ended engine_status=0" in log, log[-3000:]
+    events = vdp.cluster.kubectl_json("get", "events", "-n", vdp.ns, "--field-selector",
+                                      f"involvedObject.name={vdp.name}")["items"]  # fmt: skip
+    assert any(e["type"] == "Warning" and e["reason"] == "HeadJobFailed"
+               and old_job in e["message"] for e in events), events  # fmt: skip
+    new = vdp.wait("a relaunch", lambda: (s := vdp.status()).get("headJob") not in (
+        None, old_job) and s["headJob"], 180)  # fmt: skip
+    # With backoff: created no sooner than the chart's base delay (5 s here) after the failure.
+    created = vdp.rayjob(new)["metadata"]["creationTimestamp"]  # type: ignore[index]
+    failed_at = datetime.fromisoformat(failed["lastFailureTime"].replace("Z", "+00:00"))
+    waited = datetime.fromisoformat(created.replace("Z", "+00:00")) - failed_at
+    assert waited.total_seconds() >= 4, (created, failed["lastFailureTime"])
+    note(f"relaunched {waited.total_seconds():.0f}s after the failure")
+    vdp.wait_phase("Serving", 300, job=new)
+    note(f"Serving again {time.monotonic() - t0:.0f}s after the delete")
+    assert vdp.pods()["worker"]["metadata"]["uid"] != worker["uid"]
+    out = http(f"http://{vdp.service_ip()}:{API_PORT}/v1/completions",
+               {"model": "double", "prompt": "hi"})  # fmt: skip
+    assert out["object"] == "text_completion"
 
 
 def test_delete_removes_every_child(vdp: Vdp) -> None:

@@ -41,6 +41,11 @@ def _status(testbed: Any, ns: str, name: str) -> dict[str, Any]:
     return st
 
 
+# An HTTP 403 as the operator logs one ("HTTP 403", "(403)", "status: 403", "code": 403), not
+# any "403": a log timestamp such as 12:00:01,403 is no refusal.
+HTTP_403 = re.compile(r"(\bHTTP/?[\d.]*\s*|\(|\bstatus\W{0,3}|\bcode\W{0,3})403\b", re.IGNORECASE)
+
+
 def _foreign_namespace_deletion(line: str, ns: str) -> bool:
     # Another test's namespace going away: the API server refuses writes there with 403
     # "... because it is being terminated". Not this scenario, and not an RBAC failure.
@@ -115,5 +120,16 @@ def test_operator_with_chart_rbac_runs_scenario_without_forbidden(
         chartlib.delete_operator_identity(testbed.kubectl, identity)
     lines = [ln for ln in op.log_tail(chars=10**7).splitlines()
              if not _foreign_namespace_deletion(ln, ns)]  # fmt: skip
-    denied = [ln for ln in lines if "forbidden" in ln.lower() or "403" in ln]
+    denied = [ln for ln in lines if "forbidden" in ln.lower() or HTTP_403.search(ln)]
     assert not denied, "\n".join(denied[-20:])
+
+
+@pytest.mark.parametrize(("line", "refusal"), [
+    ("Reconcile of a/b failed: HTTP 403 forbidden: User cannot create", True),
+    ("kubernetes_asyncio.client.exceptions.ApiException: (403)", True),
+    ('{"kind":"Status","status":"Failure","code":403}', True),
+    ("[2026-11-30 14:12:01,403] vllm_dp_operator.controller [INFO] Caches filled", False),
+    ("Created head job q7-j00403 on q7-abc", False),
+])
+def test_http_403_pattern_matches_a_refusal_not_a_timestamp(line: str, refusal: bool) -> None:
+    assert bool(HTTP_403.search(line)) is refusal

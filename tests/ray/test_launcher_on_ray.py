@@ -261,6 +261,40 @@ def test_stale_driver_holding_gpus_fails_a_new_launch_at_once(
     assert again.finish() == 0
 
 
+def test_engine_dying_with_its_node_ends_vllm_serve_and_fails_the_launch(
+    start_launcher: StartLauncher, ray_cluster: Cluster
+) -> None:
+    """A node going away kills the engine actors on it; vLLM then exits 0, and so does the
+    double (one actor per rank in its placement group, watched as vLLM's monitor does): the
+    launcher, which forwarded no stop, turns that into 6, a failure the operator counts.
+
+    The plan uses every GPU, so every node holds ranks; 127.0.0.3 is stopped, then started
+    again for the tests after this one.
+    """
+    victim_ip = WORKER_IPS[0]
+    run = start_launcher(make_plan(pods=3), VLLMDP_DOUBLE_PLACE="1")
+    nodes = run.wait_for_record("engines-alive", timeout=90)["nodes"]
+    assert len(nodes) == 12 and set(nodes) == ray_cluster.ips, nodes
+    testbed = ray_cluster.testbed
+    started = time.monotonic()
+    try:
+        testbed.stop_node(next(n for n in testbed.nodes if n.ip == victim_ip))
+        status = run.finish(timeout=60)
+        elapsed = time.monotonic() - started
+    finally:
+        testbed.start_node(victim_ip, GPUS_PER_NODE, slot=1)
+        testbed.wait_alive(ray_cluster.ips)
+
+    log = run.log()
+    assert status == 6, log
+    assert elapsed < 30, f"took {elapsed:.0f}s to notice; {log}"
+    events = {r["event"]: r for r in run.records()}
+    assert nodes[events["engine-dead"]["rank"]] == victim_ip, events["engine-dead"]
+    assert events["exit"]["code"] == 0
+    assert "EngineDeadError" in log
+    assert "stage=exited status=6 cause=engine-ended engine_status=0" in log
+
+
 def test_ray_job_stop_gives_the_engine_its_drain_and_the_plan_arrives_intact(
     submit_job: SubmitJob,
 ) -> None:

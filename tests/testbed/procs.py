@@ -1,7 +1,7 @@
 """Processes of one test bed and their records in its state dir.
 
 `Launcher.start` runs a component in its own session with stdout and stderr in
-`logs/<name>.log` and records its PID and binary in `pids.json`; `stop` sends SIGTERM to a
+`logs/<name>.log` and records its PID, binary and argv in `pids.json`; `stop` sends SIGTERM to a
 recorded PID (SIGKILL after a timeout) after checking the PID still runs that binary, and drops
 the record. Nothing is ever stopped by name. `testbed.json` holds what clients need (server,
 kubeconfig, ports, tokens, timings).
@@ -123,6 +123,7 @@ class Launcher:
         pids[name] = {
             "pid": proc.pid,
             "exe": exe or argv[0],
+            "argv": argv,  # faults.py starts it again the same way
             "log": str(logfile),
             "started": time.time(),
         }

@@ -8,6 +8,7 @@ simulated GPU nodes and the KubeRay operator, on 127.0.0.1. Pods run nothing. St
     testbed.py build | bin-dir             build or reuse the binaries / print their dir
     testbed.py up [--nodes 4 ...]          start (idempotent)
     testbed.py env | status | down         exports / which components live / stop all
+    testbed.py restart etcd|kube-apiserver [--down 10] [--crash]   a fault, for reliability tests
 
 real-node mode (root): the same control plane plus real kubelets, containerd, CNI bridges,
 kube-proxy, CoreDNS and KubeRay; pods run real containers from imported image archives. State
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 import binaries
+import faults
 import kwoknodes
 import operatorchart
 import realbed
@@ -53,6 +55,10 @@ def _kwok_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     b = sub.add_parser("build", help="build or reuse the binaries")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     sub.add_parser("bin-dir", help="print the binary cache dir")
+    r = sub.add_parser("restart", help="stop a component for a while and start it again")
+    r.add_argument("component", choices=faults.RESTARTABLE)
+    r.add_argument("--down", type=float, default=10.0, help="seconds it stays down")
+    r.add_argument("--crash", action="store_true", help="SIGKILL instead of SIGTERM")
     u = sub.add_parser("up", help="start the kwok test bed (idempotent)")
     u.add_argument("--nodes", type=int, default=_env_int("VLLMDP_TESTBED_NODES", 4),
                    help="fake GPU nodes (env VLLMDP_TESTBED_NODES, default 4)")
@@ -215,6 +221,9 @@ def _kwok(a: argparse.Namespace) -> int:
             raise
     elif a.cmd == "down":
         kwoknodes.down(st)
+    elif a.cmd == "restart":
+        ready = faults.restart(st.root, a.component, a.down, a.crash)
+        print(f"[testbed] {a.component} down {a.down:.0f}s, ready {ready:.1f}s after its start")
     elif a.cmd == "env":
         print("\n".join(kwoknodes.env_lines(st)))
     elif a.cmd == "status":

@@ -423,3 +423,31 @@ def test_every_owned_flag_has_a_case() -> None:
 
 def test_table_has_thirty_cases_at_least() -> None:
     assert len(VALID) + len(INVALID) >= 30
+
+
+# Found by the reliability tier's fuzzed specs (tests/reliability/test_fuzz_specs.py): the API
+# server takes only JSON integers and booleans there, while pydantic's lax mode read "2", true,
+# "false" and 0 as numbers and booleans, so Python accepted what admission refuses.
+@pytest.mark.parametrize(("path", "value"), [
+    ("dataParallel.ranksPerNode", "2"), ("dataParallel.size", True), ("tensorParallelSize", "1"),
+    ("gpu.perPod", "4"), ("apiServerCount", False), ("service.port", "8000"),
+    ("launch.timeoutSeconds", "60"), ("suspend", "false"), ("suspend", 0),
+    ("modelCache.readOnly", "yes"),
+])  # fmt: skip
+def test_wrong_json_type_rejected_as_the_api_server_does(path: str, value: Any) -> None:
+    spec = copy.deepcopy(BASE)
+    if path.startswith("modelCache"):
+        spec["modelCache"] = {"claimName": "models"}
+    node = spec
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    with pytest.raises(SpecError) as err:
+        validate("a", spec)
+    assert [e.path for e in err.value.errors] == [f"spec.{path}"]
+
+
+def test_integral_number_accepted_for_an_integer_as_the_api_server_does() -> None:
+    spec = validate("a", {**BASE, "dataParallel": {"size": 4.0, "ranksPerNode": 2}})
+    assert spec.data_parallel.size == 4 and isinstance(spec.data_parallel.size, int)
