@@ -5,15 +5,24 @@ vLLM's CPU build in the `vllm-dp-engine-cpu` test image serves the tiny model at
 /models/tiny; Ray nodes hold logical GPUs from the nodes' advertised `nvidia.com/gpu`, so the
 operator renders the example through the same code as a GPU one, and vLLM's own Ray
 data-parallel backend places one engine on each pod.
+
+Observability on real engines (issue 12): a real Prometheus on the host (Debian's package)
+scrapes the head pod's vLLM through the chart's own PodMonitor, rendered with the values the
+bed installs with and turned into a scrape job over the bed's pods (promlib: Debian's build
+has no kubernetes_sd); and status.engines, refreshed at each Serving probe, shows the load of
+requests kept in flight on both ranks.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +30,11 @@ import yaml
 
 from .bed import REPO, RunningCluster
 from .vdp import API_PORT, Vdp, http, import_engine
+
+# isort: split
+# tests/testbed is on sys.path once .vdp is imported.
+import operatorchart
+from promlib import Prometheus, file_sd, pod_targets, scrape_config_from_pod_monitor
 
 pytestmark = pytest.mark.cluster
 
@@ -107,6 +121,134 @@ def test_both_engines_finish_requests(vdp: Vdp) -> None:
     done = finished_by_engine(http(f"{base}/metrics"))
     assert done.get("0", 0) > 0 and done.get("1", 0) > 0, done
     assert sum(done.values()) >= 20, done
+
+
+def pod_monitor_prometheus(vdp: Vdp, workdir: Path) -> Prometheus:
+    """Prometheus scraping what the chart's engine PodMonitor selects: the PodMonitor as
+    `helm template` renders it with the bed's install values and monitoring on, its job fed
+    every pod of the bed (all namespaces, as the PodMonitor's `any: true` asks) as
+    kubernetes_sd would label them."""
+    (monitor,) = [o for o in operatorchart.template("metrics.podMonitor.enabled=true")
+                  if o["kind"] == "PodMonitor"]  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    pods = workdir / "pods.json"
+    pods.write_text(json.dumps(pod_targets(
+        vdp.cluster.kubectl_json("get", "pods", "--all-namespaces")["items"])))  # fmt: skip
+    prom = Prometheus(workdir, [scrape_config_from_pod_monitor(monitor, file_sd(pods))])
+    prom.start()
+    return prom
+
+
+def finished_in_prometheus(prom: Prometheus, vdp: Vdp) -> dict[str, float]:
+    """vllm:request_success_total per engine, selected by the PodMonitor's relabelled
+    name and namespace labels."""
+    expr = (f'sum by (engine) (vllm:request_success_total{{vllmdataparallel="{vdp.name}",'
+            f'namespace="{vdp.ns}"}})')  # fmt: skip
+    return {r["metric"]["engine"]: float(r["value"][1]) for r in prom.query(expr)}
+
+
+class Load:
+    """Requests kept in flight from threads until stopped: each generates `tokens` tokens
+    (ignore_eos), and a finished one is replaced at once, so the engines stay busy for as
+    long as the test watches, whatever the probe's phase."""
+
+    def __init__(self, base: str, threads: int, tokens: int) -> None:
+        self.base, self.tokens = base, tokens
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.done = 0
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                http(f"{self.base}/v1/completions", {
+                    "model": "tiny", "prompt": "hello world", "max_tokens": self.tokens,
+                    "ignore_eos": True}, timeout=120)  # fmt: skip
+                with self.lock:
+                    self.done += 1
+            except OSError as e:
+                self.errors.append(repr(e))
+                time.sleep(0.5)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=150)
+
+
+def vdp_columns(vdp: Vdp) -> dict[str, str]:
+    """`kubectl get vdp NAME` as header -> value."""
+    head, row = vdp.cluster.kubectl("get", "vdp", vdp.name, "-n", vdp.ns).stdout.splitlines()[:2]
+    return dict(zip(head.split(), row.split(), strict=False))
+
+
+def test_prometheus_scrapes_vllm_and_status_engines_show_the_load(
+    vdp: Vdp, tmp_path: Path
+) -> None:
+    base = f"http://{vdp.service_ip()}:{API_PORT}"
+    head = vdp.pods()["head"]["metadata"]["name"]
+    prom = pod_monitor_prometheus(vdp, tmp_path / "prometheus")
+
+    def wait(what: str, check: Any, timeout: float) -> Any:
+        try:
+            return vdp.wait(what, check, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- prometheus targets\n"
+                                 f"{json.dumps(prom.targets(), indent=1)[-4000:]}\n"
+                                 f"--- prometheus log\n{prom.log_tail()}") from None
+
+    try:
+        # The PodMonitor's selector and port pick the head's serving port, and no other pod
+        # of this namespace (pods of other tiers' namespaces may still be terminating).
+        (target,) = wait("one healthy scrape target in the namespace", lambda: (t := [
+            x for x in prom.targets() if x["labels"].get("namespace") == vdp.ns]) and all(
+            x["health"] == "up" for x in t) and t, 60)  # fmt: skip
+        labels = target["labels"]
+        assert (labels["pod"], labels["namespace"], labels["vllmdataparallel"]) == (
+            head, vdp.ns, vdp.name), labels
+        assert target["scrapeUrl"].endswith(f":{API_PORT}/metrics"), target
+        before = wait("request_success_total of engines 0 and 1 in Prometheus", lambda: (
+            f := finished_in_prometheus(prom, vdp)).keys() >= {"0", "1"} and f, 60)  # fmt: skip
+        # Idle first: both ranks listed, nothing running (the earlier requests are done).
+        idle = wait("status.engines: ranks 0 and 1, idle", lambda: (e := vdp.status().get(
+            "engines") or []) and [x["rank"] for x in e] == [0, 1] and all(
+            x["running"] == 0 and x["waiting"] == 0 for x in e) and e, 60)  # fmt: skip
+        note(f"idle: status.engines {idle}; Prometheus finished {before}")
+
+        def loaded() -> dict[str, Any] | None:
+            st = vdp.status()
+            engines = st.get("engines") or []
+            busy = [x["rank"] for x in engines if x["running"] + x["waiting"] > 0]
+            if busy != [0, 1]:
+                return None
+            cols = vdp_columns(vdp)  # the printer columns, read under the same load
+            return st if int(cols["RUNNING"]) + int(cols["WAITING"]) > 0 else None
+
+        t0 = time.monotonic()
+        with Load(base, threads=12, tokens=200) as load:
+            st = wait("status.engines: both ranks busy under load", loaded, 90)
+            note(f"under load after {time.monotonic() - t0:.0f}s: status.engines "
+                 f"{st['engines']}, running {st.get('requestsRunning')} waiting "
+                 f"{st.get('requestsWaiting')}")  # fmt: skip
+        assert st["requestsRunning"] + st["requestsWaiting"] == sum(
+            x["running"] + x["waiting"] for x in st["engines"]), st
+        note(f"load: {load.done} requests finished, {len(load.errors)} errors")
+        assert load.done > 0 and not load.errors, load.errors[:5]
+        # Every request the load finished, counted on both engines.
+        after = wait("Prometheus' request_success_total grown on engines 0 and 1", lambda: (
+            f := finished_in_prometheus(prom, vdp)) and all(
+            f.get(e, 0) > before[e] for e in ("0", "1")) and sum(f.values()) - sum(
+            before.values()) >= load.done and f, 60)  # fmt: skip
+        note(f"Prometheus finished per engine: {before} -> {after}")
+    finally:
+        prom.stop()
 
 
 def test_engine_only_change_relaunches_on_same_pods(vdp: Vdp) -> None:

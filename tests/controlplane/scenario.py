@@ -64,7 +64,7 @@ def status(testbed: Any, ns: str, name: str) -> dict[str, Any]:
 
 def engines_of(testbed: Any, ns: str, name: str) -> list[dict[str, Any]]:
     """status.engines of a resource: each DP rank's running, waiting and KV-cache use while
-    Serving (also meant for the real-engine cluster tier)."""
+    Serving."""
     engines: list[dict[str, Any]] = status(testbed, ns, name).get("engines") or []
     return engines
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "testbed"))  # promlib
 import chartlib
 from operator_proc import probe_mode
 from promlib import install_monitoring_crds

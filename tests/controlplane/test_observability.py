@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 from operator_proc import OperatorProcess, install_crd
 from prometheus_client.parser import text_string_to_metric_families
-from promlib import Prometheus, file_sd, free_port, pod_targets, scrape_config_from_pod_monitor
 from scenario import (
     apply,
     double_in_pod_network,
@@ -35,7 +34,9 @@ from scenario import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "testbed"))  # promlib
 import chartlib
+from promlib import Prometheus, file_sd, free_port, pod_targets, scrape_config_from_pod_monitor
 
 pytestmark = pytest.mark.controlplane
 

@@ -9,6 +9,9 @@ test sees a relaunch in seconds rather than minutes.
 
     testbed.py cluster operator [--set key=value ...]   # build/import the image, helm install
     testbed.py cluster operator-down                    # helm uninstall (cluster down does too)
+
+`template()` renders the chart with the same values, for what a test needs to see as the
+install made it (the PodMonitor the real-engine tier turns into a Prometheus scrape job).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import images
 import realbed
 import realnodes
+import yaml
 from common import BuildError, log
 from procs import State
 
@@ -60,6 +64,18 @@ def _helm(st: State, *args: str, timeout: float = 300) -> str:
         raise RuntimeError(f"helm {' '.join(args)} failed (rc={proc.returncode}):\n"
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")  # fmt: skip
     return proc.stdout
+
+
+def template(*extra: str) -> list[dict[str, Any]]:
+    """`helm template` of the release with the values `install` uses plus `extra`
+    (`key=value`): the objects it renders."""
+    proc = subprocess.run([helm_binary(), "template", RELEASE, str(CHART),
+                           f"--namespace={NAMESPACE}",
+                           *(f"--set={v}" for v in (*VALUES, *extra))],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm template failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
 def install(st: State, archive: Path | None = None, extra: tuple[str, ...] = (),

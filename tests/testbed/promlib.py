@@ -1,4 +1,5 @@
-"""A real Prometheus for the tests, and the Prometheus operator's CRDs for the test bed.
+"""A real Prometheus for the test tiers (control-plane, real-engine cluster), and the
+Prometheus operator's CRDs for the test bed.
 
 - `Prometheus`: Debian's `prometheus` package (installed by .ci/run) run as a child process on
   127.0.0.1 with a scrape config of the test's, its TSDB in the test's temp dir; stopped by
@@ -7,8 +8,8 @@
   PodMonitor (selector, port name, path, relabelings). Debian's Prometheus 2.42 has no
   kubernetes_sd, so `pod_targets()` turns pods read from the API server into the same
   `__meta_kubernetes_*` labels for a file_sd file, and the PodMonitor's rules select among
-  them. The control-plane tier scrapes the vLLM test double with it; the real-engine
-  cluster tier can scrape real vLLM the same way.
+  them. The control-plane tier scrapes the vLLM test double with it, the real-engine
+  cluster tier (tests/cluster/test_operator_vllm_cpu.py) real vLLM on the head pod.
 - `install_monitoring_crds()`: ServiceMonitor and PodMonitor CRDs from the Prometheus
   operator's Go module (the Go module proxy), so the API server validates the chart's monitors.
 
