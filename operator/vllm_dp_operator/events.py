@@ -18,7 +18,7 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.kube import Kind, Kube
+from vllm_dp_operator.kube import Kind, Kube, NamespaceTerminating
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,14 @@ class EventPoster:
             try:
                 await self._kube.create(EVENT, body["metadata"]["namespace"], body)
                 self.posted += 1
+            except NamespaceTerminating:
+                # The resource goes with its namespace; so would the Event.
+                log.debug("Event %s on %s not posted: its namespace is terminating",
+                          body["reason"], body["involvedObject"]["name"])  # fmt: skip
             except (ApiException, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.warning("Could not post event %s on %s: %s", body["reason"],
                             body["involvedObject"]["name"], str(exc).splitlines()[0])  # fmt: skip
+            except Exception:
+                # A poster that died would silence every later Event of every resource.
+                log.exception("Could not post event %s on %s", body["reason"],
+                              body["involvedObject"]["name"])  # fmt: skip

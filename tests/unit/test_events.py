@@ -8,7 +8,7 @@ from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator.events import EVENT, EventPoster, event_body
-from vllm_dp_operator.kube import Kind
+from vllm_dp_operator.kube import Kind, NamespaceTerminating
 
 TARGET = {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
           "metadata": {"name": "demo", "namespace": "ns", "uid": "u1"}}  # fmt: skip
@@ -17,9 +17,10 @@ TARGET = {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
 class Recorder:
     """Test double for the Kube seam's create: records bodies, may fail, counts concurrency."""
 
-    def __init__(self, fail: int = 0) -> None:
+    def __init__(self, fail: int = 0, error: Exception | None = None) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.fail = fail
+        self.error = error or ApiException(status=500, reason="boom")
         self.running = 0
         self.most = 0
 
@@ -31,7 +32,7 @@ class Recorder:
         self.running -= 1
         if self.fail:
             self.fail -= 1
-            raise ApiException(status=500, reason="boom")
+            raise self.error
         self.bodies.append(body)
         return body
 
@@ -71,3 +72,24 @@ async def test_a_full_backlog_drops_instead_of_blocking() -> None:
     for i in range(5):
         poster.post(TARGET, "Normal", "R", f"m{i}")
     assert poster.dropped == 2
+
+
+async def test_no_error_stops_a_poster() -> None:
+    """An Event for a resource in a terminating namespace (or any surprise) costs that Event
+    only: the workers go on, or every later Event of every resource would be lost."""
+    for error in (NamespaceTerminating("ns"), RuntimeError("surprise")):
+        api = Recorder(fail=2, error=error)
+        poster = EventPoster(api, workers=1)  # type: ignore[arg-type]
+        tasks = poster.start()
+        try:
+            for i in range(5):
+                poster.post(TARGET, "Normal", "R", f"m{i}")
+            for _ in range(200):
+                if len(api.bodies) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert [b["message"] for b in api.bodies] == ["m2", "m3", "m4"], error
+            assert not any(t.done() for t in tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
