@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "controlplane"), str(HERE.parent / "testbed")]
@@ -24,3 +28,21 @@ _spec.loader.exec_module(_cp)
 
 testbed = _cp.testbed
 testbed_namespace = _cp.testbed_namespace
+
+
+from fleet import QUIET  # noqa: E402  (importable once the paths above are set)
+from operator_proc import OperatorProcess, install_crd  # noqa: E402
+
+
+@pytest.fixture
+def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The operator as a process watching the test's namespace, with probes and timers quiet.
+
+    A module that needs other settings, or to start it itself, defines its own.
+    """
+    install_crd(testbed)
+    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
+    op.namespace = testbed_namespace
+    op.start()
+    yield op
+    op.stop()

@@ -17,28 +17,16 @@ from __future__ import annotations
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import faults
 import pytest
-from fleet import QUIET, converged, explain, get, own_nodes, small
-from operator_proc import OperatorProcess, install_crd
+from fleet import converged, explain, get, own_nodes, small
+from operator_proc import OperatorProcess
 
 pytestmark = pytest.mark.reliability
 
 BURST = 20
-
-
-@pytest.fixture
-def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
-    op.namespace = testbed_namespace
-    op.start()
-    yield op
-    op.stop()
 
 
 def _children(testbed: Any, ns: str) -> int:

@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet import QUIET, converged, explain, get, own_nodes, small
-from operator_proc import OperatorProcess, install_crd
+from fleet import converged, explain, get, own_nodes, small
+from operator_proc import OperatorProcess
 from vllm_dp_operator import constants as c
 
 pytestmark = pytest.mark.reliability
 
 LEGACY_FINALIZER = f"{c.GROUP}/finalizer"
-
-
-@pytest.fixture
-def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
-    op.namespace = testbed_namespace
-    op.start()
-    yield op
-    op.stop()
 
 
 def _left(testbed: Any, ns: str) -> dict[str, list[str]]:

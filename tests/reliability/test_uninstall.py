@@ -15,28 +15,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet import QUIET, converged, explain, get, own_nodes, small
-from operator_proc import OperatorProcess, install_crd
+from fleet import converged, explain, get, own_nodes, small
+from operator_proc import OperatorProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
 import chartlib
 
 pytestmark = pytest.mark.reliability
-
-
-@pytest.fixture
-def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
-    op.namespace = testbed_namespace
-    op.start()
-    yield op
-    op.stop()
 
 
 def _helm(testbed: Any, *args: str) -> subprocess.CompletedProcess[str]:

@@ -6,31 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import faults
 import pytest
-from fleet import QUIET, converged, explain, get, own_nodes, small
+from fleet import converged, explain, get, own_nodes, small
 from kubernetes_asyncio import client, config
-from operator_proc import OperatorProcess, install_crd
+from operator_proc import OperatorProcess
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.cache import MANAGED_SELECTOR, Obj, ObjectCache
 from vllm_dp_operator.informer import Reflector
 from vllm_dp_operator.kube import SERVICE, ApiKube
 
 pytestmark = pytest.mark.reliability
-
-
-@pytest.fixture
-def operator(testbed: Any, testbed_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    install_crd(testbed)
-    op = OperatorProcess(testbed.env(), tmp_path / "operator.log", QUIET)
-    op.namespace = testbed_namespace
-    op.start()
-    yield op
-    op.stop()
 
 
 def _service(ns: str, name: str) -> dict[str, Any]:
