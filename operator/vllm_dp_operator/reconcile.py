@@ -18,7 +18,7 @@ from vllm_dp_operator.probe import HealthProbe
 from vllm_dp_operator.ray_dashboard import RayJobs
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.status import cluster_readiness, explain_pending
+from vllm_dp_operator.status import PodAsks, cluster_readiness, explain_pending
 from vllm_dp_operator.validation import SpecError, validate
 
 __all__ = ["Outcome", "Resource", "reconcile"]
@@ -126,7 +126,10 @@ async def _provisioning(
     cluster_name: str, detail: str, st: StatusDoc,
 ) -> Outcome:  # fmt: skip
     pods = await kube.list(POD, res.namespace, f"{c.LABEL_RAY_CLUSTER}={cluster_name}")
-    pending = explain_pending(pods, plan.gpus_per_pod, spec.gpu.resource_name)
+    asks = PodAsks(gpus=plan.gpus_per_pod, gpu_resource=spec.gpu.resource_name,
+                   cpu=spec.resources.cpu, head_cpu=plan.head_cpu,
+                   memory=spec.resources.memory, head_memory=plan.head_memory)  # fmt: skip
+    pending = explain_pending(pods, asks)
     reason = c.REASON_PODS_PENDING if pending else c.REASON_WAITING_FOR_NODES
     message = pending or f"Waiting for Ray nodes of {cluster_name}: {detail}"
     st.cond(c.COND_CLUSTER_READY, False, reason, message)

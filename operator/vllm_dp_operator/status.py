@@ -98,7 +98,19 @@ def cluster_readiness(cluster: Mapping[str, Any], worker_pods: int) -> ClusterRe
     )
 
 
-def explain_pending(pods: Iterable[Mapping[str, Any]], gpus_per_pod: int, resource: str) -> str:
+@dataclass(frozen=True)
+class PodAsks:
+    """What each Ray pod asks the scheduler for, to explain why one does not fit."""
+
+    gpus: int
+    gpu_resource: str
+    cpu: str | None  # a worker pod's; None when the spec leaves it unset
+    head_cpu: str | None
+    memory: str | None
+    head_memory: str | None
+
+
+def explain_pending(pods: Iterable[Mapping[str, Any]], asks: PodAsks) -> str:
     """Say in a user's words why Ray pods are not running, or '' when none is stuck."""
     pods = list(pods)
     unschedulable = []
@@ -112,6 +124,30 @@ def explain_pending(pods: Iterable[Mapping[str, Any]], gpus_per_pod: int, resour
         return ""
     return (
         f"{len(unschedulable)} of {len(pods)} Ray pod(s) cannot be scheduled: "
-        f"{unschedulable[0]} Each pod needs {gpus_per_pod} {resource}; free GPUs, add GPU "
-        "nodes, or lower dataParallel.size, tensorParallelSize or gpu.perPod."
+        f"{unschedulable[0]} {pending_hint(unschedulable[0], asks)}"
     )
+
+
+def pending_hint(scheduler_message: str, asks: PodAsks) -> str:
+    """What to change, for each reason the scheduler gave (GPUs when it names none we know)."""
+    gpu = (
+        f"Each pod needs {asks.gpus} {asks.gpu_resource}; free GPUs, add GPU nodes, or lower "
+        "dataParallel.size, tensorParallelSize or gpu.perPod."
+    )
+    hints = []
+    if f"Insufficient {asks.gpu_resource}" in scheduler_message:
+        hints.append(gpu)
+    for kind, each, head in (("cpu", asks.cpu, asks.head_cpu),
+                             ("memory", asks.memory, asks.head_memory)):  # fmt: skip
+        if f"Insufficient {kind}" not in scheduler_message:
+            continue
+        asked = (f"The head asks {head} and each worker {each} of {kind} (resources.{kind}, "
+                 f"plus a share per API server on the head)" if each
+                 else f"resources.{kind} is unset, so the namespace's defaults apply")  # fmt: skip
+        hints.append(f"{asked}; lower resources.{kind} or apiServerCount, or add nodes with "
+                     f"more free {kind}.")  # fmt: skip
+    if "untolerated taint" in scheduler_message:
+        hints.append("Add a matching entry to tolerations, or untaint the GPU nodes.")
+    if "node affinity/selector" in scheduler_message:
+        hints.append("Check nodeSelector against the GPU nodes' labels.")
+    return " ".join(hints) or gpu
