@@ -138,9 +138,10 @@ def layer_dir(definition: LayerDef) -> Path:
     return cache_root() / "layers" / f"{definition.name}-{definition.key}"
 
 
-def cached(definition: LayerDef) -> BuiltLayer | None:
-    """The built layer for this definition, if the cache has it."""
-    d = layer_dir(definition)
+def cached(definition: LayerDef, d: Path | None = None) -> BuiltLayer | None:
+    """The built layer for this definition, if the cache has it (in `d`: the directory its
+    key named when the build began, so an input edited during the build cannot hide it)."""
+    d = d or layer_dir(definition)
     meta_file = d / "meta.json"
     if not meta_file.is_file():
         return None
@@ -203,7 +204,7 @@ def ensure_layer(definition: LayerDef, force: bool = False) -> BuiltLayer:
         f"{meta['pack_seconds']} s, {layer.size / 1e6:.0f} MB "
         f"({int(str(meta['blob_size'])) / 1e6:.0f} MB compressed)"
     )
-    built = cached(definition)
+    built = cached(definition, final)
     assert built is not None
     return built
 
