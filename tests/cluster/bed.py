@@ -15,12 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from vllm_dp_operator.quantity import quantity_value
 
 REPO = Path(__file__).resolve().parents[2]
 TESTBED_PY = REPO / "tests" / "testbed" / "testbed.py"
 # Images `cluster build` makes and `cluster up` imports into every node (test images).
 PAUSE_IMAGE = "testbed.local/pause:1"
 PROBE_IMAGE = "testbed.local/probe:1"
+
+
+def millicores(quantity: str) -> int:
+    """A CPU quantity as the scheduler counts it: `1` -> 1000, `900m` -> 900."""
+    return round(quantity_value(str(quantity)) * 1000)
 
 
 def state_dir() -> Path:
@@ -103,10 +109,60 @@ class RunningCluster:
         p = self.state_dir / "logs" / f"{component}.log"
         return p.read_text(errors="replace")[-chars:] if p.exists() else ""
 
+    def node_load(self) -> dict[str, dict[str, Any]]:
+        """Per node: allocatable CPU (millicores) and each pod bound there that still holds its
+        requests (not Succeeded or Failed, terminating ones included, as the scheduler counts)."""
+        nodes = self.kubectl_json("get", "nodes")["items"]
+        load: dict[str, dict[str, Any]] = {
+            n["metadata"]["name"]: {"allocatable_m": millicores(n["status"]["allocatable"]["cpu"]),
+                                    "pods": []} for n in nodes}  # fmt: skip
+        for pod in self.kubectl_json("get", "pods", "-A")["items"]:
+            node = pod["spec"].get("nodeName")
+            if node not in load or pod["status"].get("phase") in ("Succeeded", "Failed"):
+                continue
+            cpu = sum(millicores(c.get("resources", {}).get("requests", {}).get("cpu", "0"))
+                      for c in pod["spec"]["containers"])  # fmt: skip
+            meta = pod["metadata"]
+            load[node]["pods"].append({"pod": f"{meta['namespace']}/{meta['name']}",
+                                       "cpu_m": cpu,
+                                       "terminating": "deletionTimestamp" in meta})  # fmt: skip
+        return load
+
+    def node_load_text(self) -> str:
+        """`node_load` as lines: what each node's CPU is promised to."""
+        try:
+            load = self.node_load()
+        except (AssertionError, OSError, ValueError, KeyError,
+                subprocess.SubprocessError) as e:  # fmt: skip
+            return f"--- CPU requests per node: {e!r}"
+        lines = ["--- CPU requests per node (scheduler's view)"]
+        for node, held in sorted(load.items()):
+            used = sum(p["cpu_m"] for p in held["pods"])
+            lines.append(f"{node}: {used}m of {held['allocatable_m']}m requested")
+            lines += [f"  {p['pod']} {p['cpu_m']}m" + (" (terminating)" if p["terminating"]
+                                                      else "") for p in held["pods"]]  # fmt: skip
+        return "\n".join(lines)
+
+    def wait_nodes_hold_only(self, namespaces: set[str], timeout: float = 180) -> None:
+        """Wait until no pod outside `namespaces` is bound to a node: an earlier test's pods,
+        still terminating after its namespace was deleted without waiting, hold CPU requests
+        the scheduler counts, and a Ray head sized to a whole node would stay Pending."""
+
+        def quiet() -> bool:
+            strays = [p["pod"] for held in self.node_load().values() for p in held["pods"]
+                      if p["pod"].split("/")[0] not in namespaces]  # fmt: skip
+            assert not strays, f"still on the nodes: {strays}"
+            return True
+
+        self.wait_until(f"the nodes to hold only pods of {sorted(namespaces)}", quiet, timeout,
+                        interval=1.0)  # fmt: skip
+
     def diagnostics(self, ns: str | None = None) -> str:
-        """What explains a timeout: pods and events (of `ns`), and the kubelets' log tails."""
+        """What explains a timeout: pods and events (of `ns`), what each node's CPU is
+        promised to, and the kubelets' log tails."""
         where = ["-n", ns] if ns else ["-A"]
         parts = [self.kubectl("get", "pods", "-o", "wide", *where, check=False).stdout,
+                 self.node_load_text(),
                  self.kubectl("get", "events", "--sort-by=.lastTimestamp", *where,
                               check=False).stdout[-4000:]]  # fmt: skip
         parts += [f"--- {c}\n{self.log_tail(c, 2000)}"

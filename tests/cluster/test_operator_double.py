@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from .bed import RunningCluster
-from .vdp import API_PORT, Vdp, http, import_engine
+from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
 
 pytestmark = pytest.mark.cluster
 
@@ -59,11 +59,7 @@ def vdp(operator: RunningCluster, ns: str) -> Iterator[Vdp]:
 @pytest.fixture(scope="module")
 def ns(operator: RunningCluster) -> Iterator[str]:
     name = "t-double"
-    operator.kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=true",
-                     timeout=180)  # fmt: skip
-    operator.kubectl("create", "namespace", name)
-    operator.wait_until("the default ServiceAccount", lambda: operator.kubectl(
-        "get", "sa", "default", "-n", name, check=False).returncode == 0, 30)  # fmt: skip
+    own_namespace(operator, name)
     yield name
     operator.kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from .bed import REPO, RunningCluster
-from .vdp import API_PORT, Vdp, http, import_engine
+from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
 
 # isort: split
 # tests/testbed is on sys.path once .vdp is imported.
@@ -60,11 +60,7 @@ def note(msg: str) -> None:
 @pytest.fixture(scope="module")
 def vdp(operator: RunningCluster) -> Iterator[Vdp]:
     note(import_engine(operator, IMAGE))
-    operator.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=true",
-                     timeout=180)  # fmt: skip
-    operator.kubectl("create", "namespace", NS)
-    operator.wait_until("the default ServiceAccount", lambda: operator.kubectl(
-        "get", "sa", "default", "-n", NS, check=False).returncode == 0, 30)  # fmt: skip
+    own_namespace(operator, NS)
     doc = example(NS)
     v = Vdp(operator, NS, doc["metadata"]["name"])
     t0 = time.monotonic()

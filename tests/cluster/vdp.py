@@ -67,6 +67,18 @@ def install_operator(cluster: RunningCluster) -> None:
                              f"{proc.stderr[-6000:]}\n{diag}")  # fmt: skip
 
 
+def own_namespace(cluster: RunningCluster, name: str) -> None:
+    """A fresh namespace `name` for one scenario, on nodes that hold the operator's pod and
+    nothing else: the scenario's Ray head asks for most of a node's CPU, so pods an earlier
+    test left terminating would keep it Pending (and fail this test for that one's leftovers)."""
+    cluster.kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=true",
+                    timeout=180)  # fmt: skip
+    cluster.wait_nodes_hold_only({OPERATOR_NS}, timeout=180)
+    cluster.kubectl("create", "namespace", name)
+    cluster.wait_until("the default ServiceAccount", lambda: cluster.kubectl(
+        "get", "sa", "default", "-n", name, check=False).returncode == 0, 30)  # fmt: skip
+
+
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> Any:
     """GET (or POST `body` as JSON) from the host; the answer's JSON (or text)."""
     data = json.dumps(body).encode() if body is not None else None

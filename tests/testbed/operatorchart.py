@@ -36,11 +36,15 @@ IMAGE = "vllm-dp-operator"
 RELEASE = "vdp"
 NAMESPACE = "vllm-dp-system"
 # Local image, nothing to pull; quicker probes and backoff than the chart's defaults, so the
-# tier and `make dev` see Serving and a relaunch sooner. Everything else is the chart's.
+# tier and `make dev` see Serving and a relaunch sooner. The operator's pod requests no CPU:
+# the bed's nodes have 2 CPUs each, and the Ray head of a DP=2 resource with one API server
+# asks for all of one node (1 CPU + 1 per API server), so the chart's 100m request would keep
+# that head Pending whenever the scheduler put the operator on the node the worker did not
+# take. Everything else is the chart's.
 VALUES = (f"image.repository={IMAGE}", f"image.tag={images.TAG}", "image.pullPolicy=Never",
           "healthProbe.mode=service-dns", "healthProbe.launchingSeconds=2",
           "healthProbe.servingSeconds=5", "backoff.baseSeconds=5", "backoff.capSeconds=60",
-          "stopConfirmSeconds=30")  # fmt: skip
+          "stopConfirmSeconds=30", "resources.requests.cpu=0")  # fmt: skip
 
 
 def helm_binary() -> str:
