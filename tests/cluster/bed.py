@@ -24,6 +24,10 @@ PAUSE_IMAGE = "testbed.local/pause:1"
 PROBE_IMAGE = "testbed.local/probe:1"
 
 
+# What a check against the bed may raise while the state it waits for is not there yet.
+NOT_YET = (AssertionError, OSError, ValueError, KeyError, subprocess.SubprocessError)
+
+
 def millicores(quantity: str) -> int:
     """A CPU quantity as the scheduler counts it: `1` -> 1000, `900m` -> 900."""
     return round(quantity_value(str(quantity)) * 1000)
@@ -132,8 +136,7 @@ class RunningCluster:
         """`node_load` as lines: what each node's CPU is promised to."""
         try:
             load = self.node_load()
-        except (AssertionError, OSError, ValueError, KeyError,
-                subprocess.SubprocessError) as e:  # fmt: skip
+        except NOT_YET as e:
             return f"--- CPU requests per node: {e!r}"
         lines = ["--- CPU requests per node (scheduler's view)"]
         for node, held in sorted(load.items()):
@@ -170,21 +173,25 @@ class RunningCluster:
         return "\n".join(parts)
 
     def wait_until(self, what: str, check: Callable[[], Any], timeout: float = 60,
-                   interval: float = 0.5, ns: str | None = None) -> Any:  # fmt: skip
-        """Poll `check` until truthy and return its value; on timeout fail with diagnostics."""
+                   interval: float = 0.5, ns: str | None = None,
+                   explain: Callable[[], str] | None = None) -> Any:  # fmt: skip
+        """Poll `check` until truthy and return its value. A check that raises (an assertion,
+        a kubectl or HTTP error) counts as not yet. On timeout fail with `explain()`, else with
+        the bed's diagnostics (of `ns`)."""
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:
             try:
                 last = check()
-            except AssertionError as e:
+            except NOT_YET as e:
                 last = e
             else:
                 if last:
                     return last
             time.sleep(interval)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}\n"
-                             f"{self.diagnostics(ns)}")  # fmt: skip
+        why = explain() if explain else self.diagnostics(ns)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: "
+                             f"{last!r}\n{why}")  # fmt: skip
 
     def exec(self, ns: str, pod: str, *argv: str,
              check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip

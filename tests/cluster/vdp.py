@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -192,20 +190,7 @@ class Vdp:
     def wait(self, what: str, check: Callable[[], Any], timeout: float,
              interval: float = 1.0) -> Any:  # fmt: skip
         """Poll `check` until truthy; past `timeout` fail with everything that explains it."""
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = check()
-            except (AssertionError, OSError, ValueError, KeyError,
-                    subprocess.SubprocessError) as e:  # fmt: skip
-                last = e
-            else:
-                if last:
-                    return last
-            time.sleep(interval)
-        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: "
-                             f"{last!r}\n{self.diagnostics()}")  # fmt: skip
+        return self.cluster.wait_until(what, check, timeout, interval, explain=self.diagnostics)
 
     def wait_phase(self, phase: str, timeout: float, job: str | None = None) -> dict[str, Any]:
         """Wait for `phase` (of head job `job`, if given, else of a job other than none)."""

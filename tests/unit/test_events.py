@@ -37,6 +37,20 @@ class Recorder:
         return body
 
 
+async def post_and_settle(api: Recorder, workers: int, count: int, expect: int) -> list[Any]:
+    """Start a poster over `api`, post `count` Events, wait (2 s at most) until `expect` went
+    out, and hand back its worker tasks (the caller checks and cancels them)."""
+    poster = EventPoster(api, workers=workers)  # type: ignore[arg-type]
+    tasks = poster.start()
+    for i in range(count):
+        poster.post(TARGET, "Normal", "R", f"m{i}")
+    for _ in range(200):
+        if len(api.bodies) == expect:
+            break
+        await asyncio.sleep(0.01)
+    return tasks
+
+
 def test_event_body_names_the_object_and_caps_the_message() -> None:
     now = datetime(2026, 1, 1, tzinfo=UTC)
     body = event_body(TARGET, "Warning", "HeadJobFailed", "x" * 5000, now)
@@ -51,15 +65,8 @@ def test_event_body_names_the_object_and_caps_the_message() -> None:
 
 async def test_poster_posts_in_order_with_bounded_concurrency_and_survives_errors() -> None:
     api = Recorder(fail=1)
-    poster = EventPoster(api, workers=2)  # type: ignore[arg-type]
-    tasks = poster.start()
+    tasks = await post_and_settle(api, workers=2, count=20, expect=19)
     try:
-        for i in range(20):
-            poster.post(TARGET, "Normal", "R", f"m{i}")
-        for _ in range(200):
-            if len(api.bodies) == 19:
-                break
-            await asyncio.sleep(0.01)
         assert len(api.bodies) == 19, "one failed post is logged and dropped, the rest go out"
         assert api.most == 2
     finally:
@@ -79,15 +86,8 @@ async def test_no_error_stops_a_poster() -> None:
     only: the workers go on, or every later Event of every resource would be lost."""
     for error in (NamespaceTerminating("ns"), RuntimeError("surprise")):
         api = Recorder(fail=2, error=error)
-        poster = EventPoster(api, workers=1)  # type: ignore[arg-type]
-        tasks = poster.start()
+        tasks = await post_and_settle(api, workers=1, count=5, expect=3)
         try:
-            for i in range(5):
-                poster.post(TARGET, "Normal", "R", f"m{i}")
-            for _ in range(200):
-                if len(api.bodies) == 3:
-                    break
-                await asyncio.sleep(0.01)
             assert [b["message"] for b in api.bodies] == ["m2", "m3", "m4"], error
             assert not any(t.done() for t in tasks)
         finally:
