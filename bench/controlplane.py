@@ -36,12 +36,12 @@ from typing import Any
 from benchlib import REPO, STATE, BenchOperator, Testbed, median, operator_requests, pct
 from kubernetes_asyncio import client, config
 from vllm_dp_operator import constants as c
+from vllm_dp_operator.api.validation import validate
 from vllm_dp_operator.config import Config, RenderOptions
-from vllm_dp_operator.jobstate import JobState, job_state
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, ApiKube
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, ApiKube
+from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.plan import build_plan
 from vllm_dp_operator.render import build_raycluster, build_service
-from vllm_dp_operator.validation import validate
 from watchlog import Seen, WatchLog
 
 # Suspended: P1-P3 measure the operator and the API server, not kwok making pods.

@@ -128,7 +128,7 @@ def _start_operator() -> None:
 def up_sim(example: Path, timeout: float) -> None:
     """The kwok bed, the operator as a process, the example; show what it made."""
     _testbed("up")
-    from vllm_dp_operator.crd import build_crd
+    from vllm_dp_operator.api.crd import build_crd
 
     _kubectl(SIM_STATE, "apply", "--server-side", "--force-conflicts", "-f", "-",
              input=yaml.safe_dump(build_crd()))  # fmt: skip

@@ -13,16 +13,16 @@ from typing import Any, TextIO
 import yaml
 
 from vllm_dp_operator import __version__, constants
+from vllm_dp_operator.api.crd import build_crd
+from vllm_dp_operator.api.validation import SpecError
 from vllm_dp_operator.config import RenderOptions
-from vllm_dp_operator.crd import build_crd
-from vllm_dp_operator.manifests import (
+from vllm_dp_operator.render.manifests import (
     Resource,
     load_documents,
     parse_resource,
     render_resource,
     to_yaml,
 )
-from vllm_dp_operator.validation import SpecError
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # unreadable input

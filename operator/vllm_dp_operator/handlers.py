@@ -16,12 +16,12 @@ import kopf
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller import Controller
-from vllm_dp_operator.kube import ApiKube
-from vllm_dp_operator.metrics_http import serve_metrics
-from vllm_dp_operator.probe import TransportProbe
-from vllm_dp_operator.ray_dashboard import DashboardJobs
-from vllm_dp_operator.transport import make_transport
+from vllm_dp_operator.controller.kube import ApiKube
+from vllm_dp_operator.controller.manager import Controller
+from vllm_dp_operator.engines.probe import TransportProbe
+from vllm_dp_operator.engines.ray_dashboard import DashboardJobs
+from vllm_dp_operator.engines.transport import make_transport
+from vllm_dp_operator.observability.metrics_http import serve_metrics
 
 CONFIG = Config.from_env()
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)

@@ -9,8 +9,8 @@ from typing import Any, Literal, cast
 from vllm_dp_launcher import plan as launcher_plan
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.models import PackStrategy, VLLMDataParallelSpec
-from vllm_dp_operator.quantity import cpu_quantity, memory_quantity, quantity_value
+from vllm_dp_operator.api.models import PackStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.api.quantity import cpu_quantity, memory_quantity, quantity_value
 
 # Prefixes vLLM copies from the driver to every engine actor, on top of its own.
 # GLOO_ is not copied by default (vllm#5094); NCCL_ and HF_ settings must reach every rank.

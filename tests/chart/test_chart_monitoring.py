@@ -10,10 +10,10 @@ from typing import Any
 import chartlib
 import pytest
 from vllm_dp_operator import constants as c
+from vllm_dp_operator.api.validation import validate
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import build_plan
 from vllm_dp_operator.render import build_raycluster
-from vllm_dp_operator.validation import validate
 
 MONITORING = chartlib.CHART / "ci" / "monitoring-values.yaml"
 MONITOR_KINDS = {"ServiceMonitor", "PodMonitor", "ConfigMap", "Service"}

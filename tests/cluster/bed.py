@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from vllm_dp_operator.quantity import quantity_value
+from vllm_dp_operator.api.quantity import quantity_value
 
 REPO = Path(__file__).resolve().parents[2]
 TESTBED_PY = REPO / "tests" / "testbed" / "testbed.py"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from vllm_dp_operator.crd import build_crd
+from vllm_dp_operator.api.crd import build_crd
 
 # Short timings so relaunch and probe scenarios finish in seconds. The safety resync is left
 # long: every scenario must be driven by watch events, not by a resync tick.

@@ -22,11 +22,11 @@ import pytest
 import yaml
 from kubernetes_asyncio import client, config
 from operator_proc import OperatorProcess, install_crd
-from vllm_dp_operator.jobstate import JobState, job_state
-from vllm_dp_operator.kube import RAYCLUSTER, RAYJOB, VDP, ApiKube
+from vllm_dp_operator.api.validation import validate
+from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB, VDP, ApiKube
+from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.plan import build_plan
-from vllm_dp_operator.status import cluster_readiness
-from vllm_dp_operator.validation import validate
+from vllm_dp_operator.reconcile.status import cluster_readiness
 from watchlog import Seen, WatchLog
 
 pytestmark = pytest.mark.controlplane

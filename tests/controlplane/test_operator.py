@@ -22,8 +22,8 @@ from scenario import (
     wait_head_job,
     wait_phase,
 )
+from vllm_dp_operator.api.validation import validate
 from vllm_dp_operator.plan import build_plan
-from vllm_dp_operator.validation import validate
 
 pytestmark = pytest.mark.controlplane
 

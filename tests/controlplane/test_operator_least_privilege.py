@@ -128,7 +128,7 @@ def test_operator_with_chart_rbac_runs_scenario_without_forbidden(
     ("Reconcile of a/b failed: HTTP 403 forbidden: User cannot create", True),
     ("kubernetes_asyncio.client.exceptions.ApiException: (403)", True),
     ('{"kind":"Status","status":"Failure","code":403}', True),
-    ("[2026-11-30 14:12:01,403] vllm_dp_operator.controller [INFO] Caches filled", False),
+    ("[2026-11-30 14:12:01,403] vllm_dp_operator.controller.manager [INFO] Caches filled", False),
     ("Created head job q7-j00403 on q7-abc", False),
 ])
 def test_http_403_pattern_matches_a_refusal_not_a_timestamp(line: str, refusal: bool) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_dp_operator.kube import ApiKube, Kind
+from vllm_dp_operator.controller.kube import ApiKube, Kind
 
 
 @dataclass(frozen=True)

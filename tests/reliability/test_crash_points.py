@@ -25,7 +25,7 @@ from fleet import QUIET, audit, converged, explain, own_nodes, small
 from kubernetes_asyncio import client, config
 from operator_proc import OperatorProcess, install_crd
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.kube import RAYCLUSTER, RAYJOB, SERVICE, ApiKube
+from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB, SERVICE, ApiKube
 from watchlog import WatchLog
 
 pytestmark = pytest.mark.reliability

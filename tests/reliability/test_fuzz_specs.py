@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from rawapi import RawApi
 from specgen import MANIFESTS
 from vllm_dp_operator import constants
+from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import RenderOptions
-from vllm_dp_operator.manifests import API_VERSION, render_all
+from vllm_dp_operator.render.manifests import API_VERSION, render_all
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.validation import SpecError, validate
 
 pytestmark = pytest.mark.reliability
 

@@ -19,7 +19,7 @@ import pytest
 from fleet import explain, get, own_nodes, resource
 from operator_proc import OperatorProcess, install_crd
 from vllm_dp_operator.config import RenderOptions
-from vllm_dp_operator.manifests import render_all
+from vllm_dp_operator.render.manifests import render_all
 
 pytestmark = pytest.mark.reliability
 

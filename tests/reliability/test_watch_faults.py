@@ -14,9 +14,9 @@ from fleet import converged, explain, get, own_nodes, small
 from kubernetes_asyncio import client, config
 from operator_proc import OperatorProcess
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.cache import MANAGED_SELECTOR, Obj, ObjectCache
-from vllm_dp_operator.informer import Reflector
-from vllm_dp_operator.kube import SERVICE, ApiKube
+from vllm_dp_operator.controller.cache import MANAGED_SELECTOR, Obj, ObjectCache
+from vllm_dp_operator.controller.informer import Reflector
+from vllm_dp_operator.controller.kube import SERVICE, ApiKube
 
 pytestmark = pytest.mark.reliability
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from fake_kube import FakeKube, _matches
 from kubernetes_asyncio.client.exceptions import ApiException
-from vllm_dp_operator.kube import Kind
+from vllm_dp_operator.controller.kube import Kind
 
 
 class FakeApi(FakeKube):

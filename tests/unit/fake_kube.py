@@ -13,8 +13,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from vllm_dp_operator.kube import AlreadyExists, Kind, NamespaceTerminating
-from vllm_dp_operator.status import rfc3339
+from vllm_dp_operator.controller.kube import AlreadyExists, Kind, NamespaceTerminating
+from vllm_dp_operator.reconcile.status import rfc3339
 
 _uids = itertools.count(1)
 

@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 from fake_api import FakeApi
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.cache import (
+from vllm_dp_operator.controller.cache import (
     MANAGED_SELECTOR,
     CachedKube,
     ObjectCache,
@@ -16,8 +16,8 @@ from vllm_dp_operator.cache import (
     parse_selector,
     slim,
 )
-from vllm_dp_operator.informer import RETRY_CAP_SECONDS, Reflector
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, Kind
+from vllm_dp_operator.controller.informer import RETRY_CAP_SECONDS, Reflector
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, Kind
 
 
 def obj(name: str, instance: str = "demo", rv: str = "1", uid: str | None = None,
@@ -204,7 +204,7 @@ async def test_reflector_retries_an_outage_at_most_retry_cap_apart(monkeypatch: 
         waits.append(seconds)
         await real_sleep(0)
 
-    monkeypatch.setattr("vllm_dp_operator.informer.asyncio.sleep", sleep)
+    monkeypatch.setattr("vllm_dp_operator.controller.informer.asyncio.sleep", sleep)
     api = _Down(failures=8)
     reflector = Reflector(api, ObjectCache([POD]), POD, None, MANAGED_SELECTOR, lambda o: None)
     task = asyncio.create_task(reflector.run())

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
+from vllm_dp_operator.api.crd import build_crd
+from vllm_dp_operator.api.validation import validate
 from vllm_dp_operator.cli import main
-from vllm_dp_operator.crd import build_crd
 from vllm_dp_operator.plan import build_plan
-from vllm_dp_operator.validation import validate
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -18,11 +18,11 @@ from fake_api import FakeApi
 from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller import Controller, next_wake
-from vllm_dp_operator.events import EVENT, EventPoster
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
-from vllm_dp_operator.outcome import Event, Outcome
-from vllm_dp_operator.probe import EngineReading, ProbeResult
+from vllm_dp_operator.controller.events import EVENT, EventPoster
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
+from vllm_dp_operator.controller.manager import Controller, next_wake
+from vllm_dp_operator.engines.probe import EngineReading, ProbeResult
+from vllm_dp_operator.reconcile.outcome import Event, Outcome
 from world import FakeRayJobs
 
 HOUR = 3600.0

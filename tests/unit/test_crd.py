@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from vllm_dp_operator.crd import build_crd
-from vllm_dp_operator.validation import RULES
+from vllm_dp_operator.api.crd import build_crd
+from vllm_dp_operator.api.validation import RULES
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "vllmdp.io_vllmdataparallels.yaml"

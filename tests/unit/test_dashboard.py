@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_dp_operator.metrics import OperatorMetrics
+from vllm_dp_operator.observability.metrics import OperatorMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "vllm-dp-operator" / "dashboards" / "vllm-dp.json"

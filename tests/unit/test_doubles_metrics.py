@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from vllm_dp_operator.engine_metrics import EngineLoad, parse_engine_loads
+from vllm_dp_operator.engines.engine_metrics import EngineLoad, parse_engine_loads
 
 DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_dp_operator.engine_metrics import (
+from vllm_dp_operator.engines.engine_metrics import (
     EngineLoad,
     ExpositionError,
     complete_lines,

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_dp_operator.api.validation import validate
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.render import build_head_job
-from vllm_dp_operator.validation import validate
 
 NASTY = "$HOME `id` ; (echo pwned > x) 'q' \"dq\" \\ ünïcødé 模型 $(uname) && | *"
 RAW: dict[str, Any] = {

@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
-from vllm_dp_operator.events import EVENT, EventPoster, event_body
-from vllm_dp_operator.kube import Kind, NamespaceTerminating
+from vllm_dp_operator.controller.events import EVENT, EventPoster, event_body
+from vllm_dp_operator.controller.kube import Kind, NamespaceTerminating
 
 TARGET = {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
           "metadata": {"name": "demo", "namespace": "ns", "uid": "u1"}}  # fmt: skip

@@ -11,7 +11,7 @@ from typing import Any
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import handlers
-from vllm_dp_operator.kube import _namespace_terminating
+from vllm_dp_operator.controller.kube import _namespace_terminating
 
 
 class _Answer:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.headjobs import STOP_RECHECK_SECONDS
-from vllm_dp_operator.kube import POD
+from vllm_dp_operator.controller.kube import POD
+from vllm_dp_operator.engines.headjobs import STOP_RECHECK_SECONDS
 from world import World, launch_plan, launched, serving, spec
 
 
@@ -220,7 +220,7 @@ async def test_time_based_steps_ask_for_a_reconcile_when_they_are_due() -> None:
 def test_failure_reason_leaves_out_the_log_tail_ray_appends() -> None:
     """Seen on real pods: a failed Ray job's message carries up to 20,000 characters of its
     logs; status and Events get Ray's own words and the launcher's `exited` line only."""
-    from vllm_dp_operator.jobstate import failure_reason
+    from vllm_dp_operator.engines.jobstate import failure_reason
 
     logs = "\n".join(["(EngineCoreActor pid=336) Loading safetensors ..."] * 400 + [
         "2026-11-30 14:44:40,048 vllm-dp-launcher stage=exited status=6 cause=engine-ended "

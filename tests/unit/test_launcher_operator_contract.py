@@ -68,8 +68,8 @@ def test_render_and_launcher_dry_run_agree_on_the_command(
     import sys
 
     import yaml
+    from vllm_dp_operator.api.validation import validate
     from vllm_dp_operator.plan import build_plan
-    from vllm_dp_operator.validation import validate
 
     doc = yaml.safe_load(example.read_text())
     want = build_plan(validate(doc["metadata"]["name"], doc["spec"]))
@@ -94,8 +94,8 @@ def test_rendered_entrypoint_runs_through_sh_as_ray_runs_it(
     import sys
 
     import yaml
+    from vllm_dp_operator.api.validation import validate
     from vllm_dp_operator.plan import build_plan
-    from vllm_dp_operator.validation import validate
 
     doc = yaml.safe_load(example.read_text())
     want = build_plan(validate(doc["metadata"]["name"], doc["spec"]))

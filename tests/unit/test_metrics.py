@@ -10,10 +10,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_controller import KEY, Bed, FlakyApi
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.kube import RAYCLUSTER, RAYJOB
-from vllm_dp_operator.metrics import NAMES, OperatorMetrics, result_of
-from vllm_dp_operator.metrics_http import serve_metrics
-from vllm_dp_operator.outcome import Event, Outcome
+from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB
+from vllm_dp_operator.observability.metrics import NAMES, OperatorMetrics, result_of
+from vllm_dp_operator.observability.metrics_http import serve_metrics
+from vllm_dp_operator.reconcile.outcome import Event, Outcome
 
 
 def value(m: OperatorMetrics, metric: str, **labels: str) -> float:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from vllm_dp_operator import constants, names
+from vllm_dp_operator import constants
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.validation import check_name, validate
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import build_plan
 from vllm_dp_operator.render import build_raycluster
-from vllm_dp_operator.validation import check_name, validate
 
 DNS1035 = re.compile(constants.DNS1035_PATTERN)
 SPEC = {"model": "m", "dataParallel": {"size": 4, "ranksPerNode": 2}}

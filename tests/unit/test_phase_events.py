@@ -53,7 +53,7 @@ async def test_through_the_controller_reruns_and_a_restart_post_no_phase_event_a
     view): a reconcile run again, and a new operator reading the persisted status, post no
     second PhaseChanged."""
     from test_controller import KEY, Bed
-    from vllm_dp_operator.kube import RAYCLUSTER, RAYJOB
+    from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB
 
     first = Bed()
     first.ctl.start()

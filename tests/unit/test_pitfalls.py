@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import yaml
 from vllm_dp_operator import constants
+from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import RenderOptions
-from vllm_dp_operator.manifests import render_all
-from vllm_dp_operator.validation import SpecError, validate
+from vllm_dp_operator.render.manifests import render_all
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 BASE: dict[str, Any] = {"model": "m", "dataParallel": {"size": 4, "ranksPerNode": 2}}

@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.plan import (
     COPIED_ENV_PREFIXES,
     Plan,
@@ -14,7 +15,6 @@ from vllm_dp_operator.plan import (
     build_plan,
     compact_ranges,
 )
-from vllm_dp_operator.validation import SpecError, validate
 
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.kube import POD, RAYJOB, SERVICE
+from vllm_dp_operator.controller.kube import POD, RAYJOB, SERVICE
 from world import World, launched, serving, spec
 
 

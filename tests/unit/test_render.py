@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from vllm_dp_operator import constants
+from vllm_dp_operator.api.validation import validate
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import build_plan
 from vllm_dp_operator.render import (
@@ -22,7 +23,6 @@ from vllm_dp_operator.render import (
     launcher_entrypoint,
 )
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.validation import validate
 
 OPTIONS = RenderOptions()
 OWNER = owner_reference("demo", "00000000-0000-0000-0000-000000000001")

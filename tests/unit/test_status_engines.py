@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.status import condition_status
+from vllm_dp_operator.reconcile.status import condition_status
 from world import World, serving, spec
 
 SAMPLE = (Path(__file__).parent / "data" / "vllm-0.33-dp2-metrics.txt").read_text()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from vllm_dp_operator.status import PodAsks, explain_pending, pending_hint
+from vllm_dp_operator.reconcile.status import PodAsks, explain_pending, pending_hint
 
 ASKS = PodAsks(gpus=1, gpu_resource="nvidia.com/gpu", cpu="1", head_cpu="2", memory="4Gi",
                head_memory="6Gi")  # fmt: skip

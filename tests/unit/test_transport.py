@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 from kubernetes_asyncio import client
-from vllm_dp_operator.probe import TransportProbe
-from vllm_dp_operator.ray_dashboard import NOT_FOUND, UNKNOWN, DashboardJobs
-from vllm_dp_operator.transport import (
+from vllm_dp_operator.engines.probe import TransportProbe
+from vllm_dp_operator.engines.ray_dashboard import NOT_FOUND, UNKNOWN, DashboardJobs
+from vllm_dp_operator.engines.transport import (
     ApiServerProxyTransport,
     DisabledTransport,
     ServiceDnsTransport,

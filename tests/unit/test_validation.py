@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 from vllm_dp_operator import constants
-from vllm_dp_operator.models import VLLMDataParallelSpec
-from vllm_dp_operator.validation import (
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
+from vllm_dp_operator.api.validation import (
     NAME_RULES,
     OWNED_FLAGS,
     RESERVED_ENV,

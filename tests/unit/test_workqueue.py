@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from vllm_dp_operator.workqueue import ShutDown, WorkQueue
+from vllm_dp_operator.controller.workqueue import ShutDown, WorkQueue
 
 
 async def test_a_burst_of_adds_queues_a_key_once() -> None:

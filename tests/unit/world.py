@@ -14,11 +14,11 @@ from typing import Any
 from fake_kube import FakeKube
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.engine_metrics import parse_engine_loads
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB
-from vllm_dp_operator.probe import EngineReading, ProbeResult
-from vllm_dp_operator.ray_dashboard import NOT_FOUND, UNKNOWN, RayJobLookup, StopResult
-from vllm_dp_operator.reconcile import Outcome, Resource, reconcile
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB
+from vllm_dp_operator.engines.engine_metrics import parse_engine_loads
+from vllm_dp_operator.engines.probe import EngineReading, ProbeResult
+from vllm_dp_operator.engines.ray_dashboard import NOT_FOUND, UNKNOWN, RayJobLookup, StopResult
+from vllm_dp_operator.reconcile.converge import Outcome, Resource, reconcile
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CFG = Config(backoff_base_seconds=10, backoff_cap_seconds=40, stop_confirm_seconds=20)

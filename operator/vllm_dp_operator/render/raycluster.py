@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from vllm_dp_operator import constants, names
+from vllm_dp_operator import constants
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.config import RenderOptions
-from vllm_dp_operator.models import VLLMDataParallelSpec
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.render.meta import metadata
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_dp_operator import constants, names
-from vllm_dp_operator.models import VLLMDataParallelSpec
+from vllm_dp_operator import constants
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.render.meta import metadata
 
 

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from vllm_dp_operator.cache import Obj, ObjectCache
-from vllm_dp_operator.kube import Kind
+from vllm_dp_operator.controller.cache import Obj, ObjectCache
+from vllm_dp_operator.controller.kube import Kind
 
 log = logging.getLogger(__name__)
 

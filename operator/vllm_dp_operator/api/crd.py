@@ -8,8 +8,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.models import VLLMDataParallelSpec, VLLMDataParallelStatus
-from vllm_dp_operator.validation import NAME_RULES, RULES
+from vllm_dp_operator.api.models import VLLMDataParallelSpec, VLLMDataParallelStatus
+from vllm_dp_operator.api.validation import NAME_RULES, RULES
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "DP", "type": "integer", "jsonPath": ".spec.dataParallel.size"},

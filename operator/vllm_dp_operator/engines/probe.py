@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from vllm_dp_operator.engine_metrics import (
+from vllm_dp_operator.engines.engine_metrics import (
     EngineLoad,
     ExpositionError,
     complete_lines,
     parse_engine_loads,
 )
-from vllm_dp_operator.transport import ServiceTransport
+from vllm_dp_operator.engines.transport import ServiceTransport
 
 #: Default cap on the bytes of /metrics read per probe (VLLMDP_ENGINE_METRICS_MAX_BYTES).
 METRICS_MAX_BYTES = 4 * 1024 * 1024

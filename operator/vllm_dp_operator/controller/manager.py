@@ -32,7 +32,8 @@ from typing import Any, Protocol
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.cache import (
+from vllm_dp_operator.config import Config
+from vllm_dp_operator.controller.cache import (
     MANAGED_SELECTOR,
     CachedKube,
     CountingKube,
@@ -41,10 +42,9 @@ from vllm_dp_operator.cache import (
     json_copy,
     owner_key,
 )
-from vllm_dp_operator.config import Config
-from vllm_dp_operator.events import EventPoster
-from vllm_dp_operator.informer import Reflector, WatchApi
-from vllm_dp_operator.kube import (
+from vllm_dp_operator.controller.events import EventPoster
+from vllm_dp_operator.controller.informer import Reflector, WatchApi
+from vllm_dp_operator.controller.kube import (
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -54,13 +54,13 @@ from vllm_dp_operator.kube import (
     Kube,
     NamespaceTerminating,
 )
-from vllm_dp_operator.metrics import RESULT_ERROR, OperatorMetrics, result_of
-from vllm_dp_operator.outcome import Event, Outcome, Resource
-from vllm_dp_operator.probe import HealthProbe
-from vllm_dp_operator.ray_dashboard import RayJobs
-from vllm_dp_operator.reconcile import reconcile
-from vllm_dp_operator.status_writer import StatusWriter
-from vllm_dp_operator.workqueue import ShutDown, WorkQueue
+from vllm_dp_operator.controller.status_writer import StatusWriter
+from vllm_dp_operator.controller.workqueue import ShutDown, WorkQueue
+from vllm_dp_operator.engines.probe import HealthProbe
+from vllm_dp_operator.engines.ray_dashboard import RayJobs
+from vllm_dp_operator.observability.metrics import RESULT_ERROR, OperatorMetrics, result_of
+from vllm_dp_operator.reconcile.converge import reconcile
+from vllm_dp_operator.reconcile.outcome import Event, Outcome, Resource
 
 log = logging.getLogger(__name__)
 

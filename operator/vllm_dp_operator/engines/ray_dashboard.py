@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote
 
-from vllm_dp_operator import constants, names
-from vllm_dp_operator.transport import ServiceTransport
+from vllm_dp_operator import constants
+from vllm_dp_operator.api import names
+from vllm_dp_operator.engines.transport import ServiceTransport
 
 # Ray job statuses (ray.dashboard.modules.job.common.JobStatus) in which no process runs.
 ENDED_STATUSES = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})

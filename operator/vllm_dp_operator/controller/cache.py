@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
-from vllm_dp_operator.status import rfc3339
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
+from vllm_dp_operator.reconcile.status import rfc3339
 
 Obj = dict[str, Any]
 #: Every child the operator makes carries this label; watches select on it server-side.

@@ -9,11 +9,11 @@ from typing import Any
 import yaml
 
 from vllm_dp_operator import constants
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
+from vllm_dp_operator.api.validation import FieldError, SpecError, validate
 from vllm_dp_operator.config import RenderOptions
-from vllm_dp_operator.models import VLLMDataParallelSpec
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.render import build_head_job, build_raycluster, build_service
-from vllm_dp_operator.validation import FieldError, SpecError, validate
 
 DEFAULT_NAMESPACE = "default"
 # The first head job of a resource; status.launchAttempts counts jobs created, from 0.

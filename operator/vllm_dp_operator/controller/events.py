@@ -18,7 +18,7 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.kube import Kind, Kube, NamespaceTerminating
+from vllm_dp_operator.controller.kube import Kind, Kube, NamespaceTerminating
 
 log = logging.getLogger(__name__)
 

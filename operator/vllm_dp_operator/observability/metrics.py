@@ -27,8 +27,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.outcome import Outcome
-from vllm_dp_operator.status import parse_rfc3339
+from vllm_dp_operator.reconcile.outcome import Outcome
+from vllm_dp_operator.reconcile.status import parse_rfc3339
 
 RESULT_SUCCESS = "success"
 RESULT_ERROR = "error"

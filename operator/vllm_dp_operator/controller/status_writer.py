@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from vllm_dp_operator.cache import ObjectCache
-from vllm_dp_operator.kube import VDP, Kind
+from vllm_dp_operator.controller.cache import ObjectCache
+from vllm_dp_operator.controller.kube import VDP, Kind
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.models import PackStrategy, VLLMDataParallelSpec
-from vllm_dp_operator.quantity import quantity_value
+from vllm_dp_operator.api.models import PackStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.api.quantity import quantity_value
 
 
 @dataclass(frozen=True)

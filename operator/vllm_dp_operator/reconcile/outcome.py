@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.status import condition_status, set_condition
+from vllm_dp_operator.reconcile.status import condition_status, set_condition
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,19 @@ from datetime import datetime
 from typing import Any
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator import names
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
+from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.headjobs import HeadJobs, head_pod_of
-from vllm_dp_operator.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, AlreadyExists, Kube
-from vllm_dp_operator.models import VLLMDataParallelSpec
-from vllm_dp_operator.outcome import Outcome, Resource, StatusDoc
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, AlreadyExists, Kube
+from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
+from vllm_dp_operator.engines.probe import HealthProbe
+from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
-from vllm_dp_operator.probe import HealthProbe
-from vllm_dp_operator.ray_dashboard import RayJobs
+from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
+from vllm_dp_operator.reconcile.status import PodAsks, cluster_readiness, explain_pending
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.status import PodAsks, cluster_readiness, explain_pending
-from vllm_dp_operator.validation import SpecError, validate
 
 __all__ = ["Outcome", "Resource", "reconcile"]
 

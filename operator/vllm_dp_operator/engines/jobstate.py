@@ -11,8 +11,8 @@ from typing import Any
 from vllm_dp_launcher.stages import parse_stage_lines
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.ray_dashboard import UNKNOWN, RayJobLookup
-from vllm_dp_operator.status import parse_rfc3339
+from vllm_dp_operator.engines.ray_dashboard import UNKNOWN, RayJobLookup
+from vllm_dp_operator.reconcile.status import parse_rfc3339
 
 
 class JobState(StrEnum):

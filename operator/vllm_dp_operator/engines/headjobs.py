@@ -14,10 +14,12 @@ from datetime import timedelta
 from typing import Any
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator import names
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.engine_metrics import engines_view, ranks_text
-from vllm_dp_operator.jobstate import (
+from vllm_dp_operator.controller.kube import POD, RAYJOB, AlreadyExists, Kube
+from vllm_dp_operator.engines.engine_metrics import engines_view, ranks_text
+from vllm_dp_operator.engines.jobstate import (
     JobState,
     StopStep,
     annotation_time,
@@ -29,16 +31,14 @@ from vllm_dp_operator.jobstate import (
     stop_step,
     submission_id,
 )
-from vllm_dp_operator.kube import POD, RAYJOB, AlreadyExists, Kube
-from vllm_dp_operator.models import VLLMDataParallelSpec
-from vllm_dp_operator.outcome import Resource, StatusDoc
+from vllm_dp_operator.engines.probe import HealthProbe, ProbeResult
+from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan
-from vllm_dp_operator.probe import HealthProbe, ProbeResult
-from vllm_dp_operator.ray_dashboard import RayJobs
+from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
+from vllm_dp_operator.reconcile.status import parse_rfc3339, rfc3339
 from vllm_dp_operator.render import build_head_job
 from vllm_dp_operator.render.headjob import job_hash
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.status import parse_rfc3339, rfc3339
 
 #: While a head job is being stopped, how often the Ray job API is asked again: the dashboard
 #: cannot be watched, so this one step is polled (it lasts at most the drain plus

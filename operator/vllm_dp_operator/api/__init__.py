@@ -1,0 +1,1 @@
+"""The VLLMDataParallel API: spec and status models, the rule table, the CRD, names, quantities."""

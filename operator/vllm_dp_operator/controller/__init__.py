@@ -1,0 +1,2 @@
+"""Controller machinery: the Kubernetes seam, reflectors, cache, work queue, workers, the status
+writer and Events."""

@@ -1,0 +1,1 @@
+"""The operator's own metrics and their HTTP endpoint."""

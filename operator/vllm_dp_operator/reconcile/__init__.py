@@ -1,0 +1,1 @@
+"""One resource's reconcile: observe its children, converge them, compute its status."""
