@@ -49,6 +49,13 @@ class Config:
     #: VLLMDP_PROBE_SERVING_SECONDS: /health probe period while Serving (+-10% jitter): an
     #: engine that stops answering is noticed within 1.1 x this + the probe timeout.
     probe_serving_seconds: float = 30.0
+    #: VLLMDP_UNROUTE_AFTER_FAILURES and VLLMDP_UNROUTE_AFTER_SECONDS: a head job that has
+    #: served stops being routed on the operator's word alone only after this many failed
+    #: probes in a row, spanning at least this long. The operator failing to ask (a timeout,
+    #: a DNS or network blink, its own busy loop) is no evidence that the engine is gone; a
+    #: dead engine ends its head job, which stops routing at once without any probe.
+    unroute_after_failures: int = 3
+    unroute_after_seconds: float = 90.0
     #: VLLMDP_WORKERS: resources reconciled at once (each resource by one worker at a time).
     workers: int = 16
     #: VLLMDP_WATCH_NAMESPACE: the one namespace whose children are watched; "" for all.
@@ -86,6 +93,8 @@ class Config:
             resync_seconds=_env_float("VLLMDP_RESYNC_SECONDS", 600.0),
             probe_launching_seconds=_env_float("VLLMDP_PROBE_LAUNCHING_SECONDS", 5.0),
             probe_serving_seconds=_env_float("VLLMDP_PROBE_SERVING_SECONDS", 30.0),
+            unroute_after_failures=_env_int("VLLMDP_UNROUTE_AFTER_FAILURES", 3),
+            unroute_after_seconds=_env_float("VLLMDP_UNROUTE_AFTER_SECONDS", 90.0),
             workers=_env_int("VLLMDP_WORKERS", 16),
             watch_namespace=os.environ.get("VLLMDP_WATCH_NAMESPACE") or "",
             backoff_base_seconds=_env_float("VLLMDP_BACKOFF_BASE_SECONDS", 10.0),

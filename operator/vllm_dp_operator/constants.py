@@ -123,6 +123,8 @@ REASON_JOB_RELAUNCH: Final = "HeadJobRelaunched"
 REASON_JOB_BACKOFF: Final = "HeadJobBackoff"
 REASON_HEALTHY: Final = "EngineHealthy"
 REASON_NOT_HEALTHY: Final = "EngineNotHealthy"
+#: Served, still routed, but the operator's own probes fail (below the unroute threshold).
+REASON_PROBE_FAILING: Final = "ProbeFailing"
 REASON_NO_CLUSTER: Final = "NoRayCluster"
 REASON_PHASE_CHANGED: Final = "PhaseChanged"
 REASON_RANKS_REPORTING: Final = "AllRanksReporting"

@@ -16,6 +16,7 @@ KOPF_ARGS = ["run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz",
 ENV_NAMES = ["VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME", "VLLMDP_ENGINE_FS_GROUP",
              "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS",
              "VLLMDP_PROBE_LAUNCHING_SECONDS", "VLLMDP_PROBE_SERVING_SECONDS",
+             "VLLMDP_UNROUTE_AFTER_FAILURES", "VLLMDP_UNROUTE_AFTER_SECONDS",
              "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS", "VLLMDP_WORKERS",
              "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACE",
              "VLLMDP_METRICS_PORT", "VLLMDP_ENGINE_METRICS_MAX_BYTES"]
@@ -144,6 +145,8 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert int(env["VLLMDP_WORKERS"]) == defaults.workers
     assert float(env["VLLMDP_PROBE_LAUNCHING_SECONDS"]) == defaults.probe_launching_seconds
     assert float(env["VLLMDP_PROBE_SERVING_SECONDS"]) == defaults.probe_serving_seconds
+    assert int(env["VLLMDP_UNROUTE_AFTER_FAILURES"]) == defaults.unroute_after_failures
+    assert float(env["VLLMDP_UNROUTE_AFTER_SECONDS"]) == defaults.unroute_after_seconds
     assert float(env["VLLMDP_BACKOFF_BASE_SECONDS"]) == defaults.backoff_base_seconds
     assert float(env["VLLMDP_BACKOFF_CAP_SECONDS"]) == defaults.backoff_cap_seconds
     assert float(env["VLLMDP_HEALTH_TIMEOUT_SECONDS"]) == defaults.health_timeout_seconds

@@ -54,15 +54,47 @@ async def test_head_job_created_once_cluster_ready_then_serving_on_health() -> N
     assert w.reasons().count(c.REASON_HEALTHY) == 1  # no repeat event while steady
 
 
-async def test_service_stops_routing_when_health_fails() -> None:
+async def test_one_failed_probe_keeps_the_route_and_the_phase() -> None:
+    # The operator failing to ask is no evidence the engine is gone (a control-plane blink).
     w = await serving()
     w.probe.ok = False
     await w.step()
+    assert w.serving_label() == "true"
+    assert w.status["phase"] == c.PHASE_SERVING and "still routed" in w.status["message"]
+    ready = next(x for x in w.status["conditions"] if x["type"] == c.COND_READY)
+    assert ready["status"] == "True" and ready["reason"] == c.REASON_PROBE_FAILING
+    assert w.status["probeFailures"] == 1
+
+
+async def test_routing_stops_only_after_failures_in_a_row_over_the_minimum_time() -> None:
+    w = await serving()  # CFG: the defaults, 3 failures over at least 90 s
+    w.probe.ok = False
+    for advance in (0, 30, 30):  # three failures, but over 60 s only
+        await w.step(advance=advance)
+        assert w.serving_label() == "true"
+    for _ in range(5):  # many more reconciles at once (child events) do not shorten it
+        await w.step()
+    assert w.serving_label() == "true"
+    await w.step(advance=30)
     assert w.serving_label() is None
-    assert w.status["phase"] == c.PHASE_LAUNCHING and "served" in w.status["message"]
+    assert w.status["phase"] == c.PHASE_LAUNCHING and "not routed" in w.status["message"]
     w.probe.ok = True
     await w.step()
-    assert w.serving_label() == "true"
+    assert w.serving_label() == "true" and w.status["phase"] == c.PHASE_SERVING
+    assert "probeFailures" not in w.status and "probeFailingSince" not in w.status
+
+
+async def test_an_answer_between_failures_starts_the_count_again() -> None:
+    w = await serving()
+    w.probe.ok = False
+    await w.step()
+    await w.step(advance=60)
+    w.probe.ok = True
+    await w.step(advance=1)
+    w.probe.ok = False
+    await w.step(advance=30)
+    await w.step(advance=30)
+    assert w.serving_label() == "true"  # 100 s of failures in all, but not in a row
 
 
 async def test_shape_change_replaces_cluster_and_drops_the_old_job_with_its_pods() -> None:

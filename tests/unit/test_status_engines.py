@@ -62,7 +62,8 @@ async def test_leaving_serving_clears_the_view() -> None:
     await w.step(5)
     assert w.status["requestsRunning"] == 8
     w.probe.ok = False
-    out = await w.step(5)
+    for _ in range(3):  # failed probes in a row over the unroute threshold's time
+        out = await w.step(45)
     assert w.status["phase"] == c.PHASE_LAUNCHING
     assert {k: out.status[k] for k in ("engines", "requestsRunning", "requestsWaiting")} == {
         "engines": None, "requestsRunning": None, "requestsWaiting": None}  # removed by patch

@@ -352,6 +352,14 @@ class VLLMDataParallelStatus(ApiModel):
         description="The last head job seen serving; the launch deadline no longer applies "
         "to it.",
     )
+    probe_failures: int | None = Field(
+        default=None,
+        description="Failed /health probes in a row of the head job that served. It keeps its "
+        "route until the operator's unroute threshold (failures over a minimum time) is met.",
+    )
+    probe_failing_since: str | None = Field(
+        default=None, description="When the first of those failed probes was seen (RFC 3339)."
+    )
     engines: list[EngineStatus] | None = Field(
         default=None,
         description="While Serving: each DP rank's load from the head's /metrics, read at the "

@@ -81,14 +81,15 @@ class HeadJobs:
         if latest is not None and (why := await self._failure(latest)) is not None:
             retire.append((latest, why))
             latest = None
-        # The API Service routes to the head only while its vLLM answers, and never while an
+        # The API Service routes to the head once its vLLM has answered, and never while an
         # old head job drains: then no new request reaches engines about to stop.
-        await self._label_head(latest is not None and self.health.ok and not retire)
+        routed = latest is not None and not retire and self._routable(latest)
+        await self._label_head(routed)
         waiting = [m for job, why in retire if (m := await self._retire(job, why))]
         if latest is None:
             await self._launch_or_wait(waiting)
         else:
-            await self._report(latest, waiting)
+            await self._report(latest, waiting, routed)
 
     async def _failure(self, job: dict[str, Any]) -> str | None:
         """Why the latest head job counts as failed, or None; probes /health when it runs."""
@@ -110,6 +111,24 @@ class HeadJobs:
                    f"where {launch_stage(job, self.health.detail)}")  # fmt: skip
             return self._record_failure(name, why, c.REASON_JOB_TIMED_OUT)
         return None
+
+    def _routable(self, job: dict[str, Any]) -> bool:
+        """Whether the Service may route to this running head job: its vLLM answers now, or
+        it has served and the operator's probes have not failed long enough to prove it gone."""
+        doc = self.st.doc
+        if self.health.ok:
+            doc.update(probeFailures=None, probeFailingSince=None)
+            return True
+        if doc.get("servedJob") != job["metadata"]["name"]:
+            return False  # never routed before its first answer
+        # A failed probe may only mean the operator could not ask (a timeout, a DNS or network
+        # blink, its own busy loop). A dead engine ends the head job, which unroutes at once;
+        # here only a hung engine is left, and it takes failures in a row over a minimum time.
+        failures = int(doc.get("probeFailures") or 0) + 1
+        since = parse_rfc3339(doc.get("probeFailingSince")) or self.st.now
+        doc.update(probeFailures=failures, probeFailingSince=rfc3339(since))
+        return not (failures >= self.cfg.unroute_after_failures
+                    and (self.st.now - since).total_seconds() >= self.cfg.unroute_after_seconds)
 
     def _record_failure(self, name: str, why: str, reason: str) -> str:
         doc = self.st.doc
@@ -235,29 +254,37 @@ class HeadJobs:
         self._not_running(c.REASON_JOB_PENDING, c.PHASE_LAUNCHING,
                           f"Head job {name} submitted; waiting for vLLM to load {self.plan.model}")
 
-    async def _report(self, job: dict[str, Any], waiting: list[str]) -> None:
+    async def _report(self, job: dict[str, Any], waiting: list[str], routed: bool) -> None:
         name, st = job["metadata"]["name"], self.st
         st.doc["headJob"] = name
         running = job_state(job) is JobState.RUNNING
         st.cond(c.COND_HEAD_JOB_RUNNING, running,
                 c.REASON_JOB_RUNNING if running else c.REASON_JOB_PENDING,
                 f"Head job {name}: {job_failure_detail(job)}")  # fmt: skip
-        if self.health.ok and not waiting:
+        serving = f"Serving {self.plan.model} with DP={self.plan.data_parallel_size}"
+        if routed and self.health.ok:
             if self.res.status.get("phase") != c.PHASE_SERVING:
                 st.event(c.EVENT_NORMAL, c.REASON_HEALTHY, f"vLLM answers /health: "
                          f"{self.health.detail}")  # fmt: skip
             st.doc.update(consecutiveFailures=0, servedJob=name)
             st.cond(c.COND_READY, True, c.REASON_HEALTHY, self.health.detail)
-            st.phase(c.PHASE_SERVING, f"Serving {self.plan.model} with DP="
-                     f"{self.plan.data_parallel_size}")  # fmt: skip
+            st.phase(c.PHASE_SERVING, serving)
             await self._read_engines()
+            return
+        if routed:  # served, and its probes have not failed for long enough to unroute it
+            failing = (f"the operator's /health probes fail since {st.doc['probeFailingSince']} "
+                       f"({self.health.detail}); still routed until "
+                       f"{self.cfg.unroute_after_failures} fail in a row over "
+                       f"{self.cfg.unroute_after_seconds:.0f}s")  # fmt: skip
+            st.cond(c.COND_READY, True, c.REASON_PROBE_FAILING, failing)
+            st.phase(c.PHASE_SERVING, f"{serving}; {failing}")
             return
         if waiting:
             message = f"Head job {name} waits: {'; '.join(waiting)}"
             st.recheck(STOP_RECHECK_SECONDS)
         elif st.doc.get("servedJob") == name:
-            message = f"Head job {name} served, but /health is not answering now " \
-                      f"({self.health.detail})"
+            message = (f"Head job {name} served, but /health has not answered since "
+                       f"{st.doc.get('probeFailingSince')} ({self.health.detail}); not routed")
         else:
             created = parse_rfc3339(job["metadata"].get("creationTimestamp")) or st.now
             deadline = created + timedelta(seconds=self.spec.launch.timeout_seconds)

@@ -57,7 +57,8 @@ class Outcome:
 
 
 # Status keys carried over from one reconcile to the next (the rest is recomputed).
-_CARRIED = ("lastFailedJob", "lastFailureTime", "lastFailureReason", "headJob", "servedJob")
+_CARRIED = ("lastFailedJob", "lastFailureTime", "lastFailureReason", "headJob", "servedJob",
+            "probeFailures", "probeFailingSince")
 # Status keys only a Serving reconcile fills (from vLLM's /metrics); None removes them.
 ENGINE_KEYS = ("engines", "requestsRunning", "requestsWaiting")
 
