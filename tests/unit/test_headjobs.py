@@ -32,7 +32,8 @@ async def test_failed_head_job_warns_counts_and_relaunches_after_backoff() -> No
     assert w.jobs() == [] and c.REASON_JOB_STOPPED in w.reasons()
     await w.step(advance=5)
     assert w.jobs() == [] and w.status["consecutiveFailures"] == 1  # counted once
-    assert "relaunching in 5s" in w.status["message"]
+    assert w.status["nextLaunchTime"] == "2026-01-01T00:00:10Z"
+    assert f"relaunching at {w.status['nextLaunchTime']}" in w.status["message"]
     await w.step(advance=6)
     assert w.job_names() == ["demo-j00002"]
     assert w.status["launchAttempts"] == 2 and w.status["phase"] == c.PHASE_LAUNCHING
@@ -233,3 +234,22 @@ def test_failure_reason_leaves_out_the_log_tail_ray_appends() -> None:
                       "engine_status=0)")  # fmt: skip
     short = failure_reason({"status": {"jobStatus": "FAILED", "message": "x" * 5000}})
     assert len(short) < 500
+
+
+async def test_a_launching_status_holds_still_between_probes() -> None:
+    # A countdown in the message made every 5 s probe a status patch; a deadline time does not.
+    w = await launched(spec(launch={"timeoutSeconds": 600}))
+    w.run("demo-j00001")
+    await w.step()
+    before = w.status
+    assert w.status["launchDeadline"] in w.status["message"]
+    await w.step(advance=5)
+    assert w.status == before
+
+
+async def test_a_backoff_status_holds_still_until_the_relaunch() -> None:
+    w = await _failed_world()
+    await w.step()
+    before = w.status
+    await w.step(advance=4)
+    assert w.status == before

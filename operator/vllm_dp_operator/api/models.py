@@ -352,6 +352,15 @@ class VLLMDataParallelStatus(ApiModel):
         description="The last head job seen serving; the launch deadline no longer applies "
         "to it.",
     )
+    next_launch_time: str | None = Field(
+        default=None,
+        description="While in Backoff: when the next head job is launched (RFC 3339).",
+    )
+    launch_deadline: str | None = Field(
+        default=None,
+        description="While a head job starts: when it counts as failed if vLLM has not "
+        "answered /health by then (spec.launch.timeoutSeconds after its creation; RFC 3339).",
+    )
     probe_failures: int | None = Field(
         default=None,
         description="Failed /health probes in a row of the head job that served. It keeps its "

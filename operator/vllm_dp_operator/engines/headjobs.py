@@ -231,9 +231,13 @@ class HeadJobs:
             self.st.recheck(STOP_RECHECK_SECONDS)
             return
         if left > 0:
+            # A time, not a countdown: the message (and so the status) stays the same until
+            # something happens, and `kubectl` can show the time as an age.
+            at = rfc3339(self.st.now + timedelta(seconds=left))
+            doc["nextLaunchTime"] = at
             self.st.recheck(left)
             self._not_running(c.REASON_JOB_BACKOFF, c.PHASE_BACKOFF,
-                              f"{failed}relaunching in {left:.0f}s (failure {failures} in a row,"
+                              f"{failed}relaunching at {at} (failure {failures} in a row,"
                               f" backoff {self.cfg.backoff(failures):.0f}s)")  # fmt: skip
             return
         if self.head_pod is None:
@@ -289,8 +293,9 @@ class HeadJobs:
             created = parse_rfc3339(job["metadata"].get("creationTimestamp")) or st.now
             deadline = created + timedelta(seconds=self.spec.launch.timeout_seconds)
             st.recheck((deadline - st.now).total_seconds() + 1)  # +1: timestamps are whole s
-            message = (f"Head job {name} is starting vLLM; /health not answering yet, "
-                       f"{max(0.0, (deadline - st.now).total_seconds()):.0f}s to the launch "
-                       f"deadline; now {launch_stage(job, self.health.detail)}")  # fmt: skip
+            st.doc["launchDeadline"] = rfc3339(deadline)  # a time, not a countdown
+            message = (f"Head job {name} is starting vLLM; /health not answering yet (launch "
+                       f"deadline {rfc3339(deadline)}); now "
+                       f"{launch_stage(job, self.health.detail)}")  # fmt: skip
         st.cond(c.COND_READY, False, c.REASON_NOT_HEALTHY, message)
         st.phase(c.PHASE_LAUNCHING, message)

@@ -61,6 +61,8 @@ _CARRIED = ("lastFailedJob", "lastFailureTime", "lastFailureReason", "headJob", 
             "probeFailures", "probeFailingSince")
 # Status keys only a Serving reconcile fills (from vLLM's /metrics); None removes them.
 ENGINE_KEYS = ("engines", "requestsRunning", "requestsWaiting")
+#: Set by the step they belong to, else removed (a merge patch of None).
+_STEP_KEYS = ("nextLaunchTime", "launchDeadline")
 
 
 class StatusDoc:
@@ -77,7 +79,7 @@ class StatusDoc:
             "launchAttempts": int(prev.get("launchAttempts") or 0),
             "consecutiveFailures": int(prev.get("consecutiveFailures") or 0),
             **{key: prev.get(key) for key in _CARRIED},
-            **{key: None for key in ENGINE_KEYS},
+            **{key: None for key in (*ENGINE_KEYS, *_STEP_KEYS)},
         }
         self.events: list[Event] = []
         self.retry_after: float | None = None
