@@ -22,6 +22,7 @@ from types import FrameType
 
 from vllm_dp_launcher import stages
 from vllm_dp_launcher.errors import ENGINE_ENDED_STATUS, EngineNotFoundError
+from vllm_dp_launcher.redact import redact_argv
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def run_engine(
                 f"engine executable {argv[0]!r} not found on PATH ({exc.strerror})"
             ) from exc
         child = children[0]
-        log.info("started engine (pid %d): %s", child.pid, shlex.join(argv))
+        log.info("started engine (pid %d): %s", child.pid, shlex.join(redact_argv(argv)))
         stages.enter(stages.ENGINE_STARTING, pid=child.pid)
         if on_start is not None:
             on_start(child, lambda: bool(stops))

@@ -183,7 +183,8 @@ def test_invalid_file_exits_2_naming_fields(
         "spec.dataParallel.size: must be a multiple of dataParallel.ranksPerNode with "
         "packStrategy strict (every pod holds exactly ranksPerNode ranks); use fill for a "
         "partial last pod",
-        "spec.engineArgs: must not set --tensor-parallel-size, which the operator owns; use "
+        "spec.engineArgs: must not set --tensor-parallel-size or an abbreviation of it, which the "
+        "operator owns; use "
         "spec.tensorParallelSize",
     ]
 

@@ -176,6 +176,19 @@ def test_raycluster_pod_options_reach_every_pod() -> None:
         assert "LITERAL" not in env  # literals travel in the head job, not the pods
 
 
+def test_api_key_reaches_every_pod_from_its_secret_and_never_the_head_job() -> None:
+    raw = with_(apiKeySecretRef={"name": "api", "key": "key"})
+    for template in templates(cluster_of(raw)):
+        env = {e["name"]: e for e in container(template)["env"]}
+        assert env["VLLM_API_KEY"] == {
+            "name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "api", "key": "key"}}}
+        assert "value" not in env["VLLM_API_KEY"]
+    job = job_of(raw)
+    plan = base64.b64decode(shlex.split(job["spec"]["entrypoint"])[4]).decode()
+    for text in (json.dumps(job), plan):
+        assert "VLLM_API_KEY" not in text and "api-key" not in text and '"api"' not in text
+
+
 def test_raycluster_pods_run_the_engine_as_non_root_with_a_writable_cache() -> None:
     # The engine image runs as UID 2000; /root is 0700 in vLLM's image, and a fresh claim is
     # root-owned: a cache outside /root, made group-writable by fsGroup.

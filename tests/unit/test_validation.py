@@ -85,6 +85,19 @@ VALID: list[Any] = [
         id="unowned-flags-sharing-a-prefix",
     ),
     pytest.param(
+        args("--seed", "1", "--dtype", "float32", "--max-num-batched-tokens", "8",
+             "--data-parallel-hybrid-lb", "--disable-log-stats", "--api-server-countx",
+             "--modelx", "-O3", "--model-impl", "vllm", "-q", "fp8", "-1"),
+        id="flags-that-abbreviate-no-owned-flag",
+    ),
+    pytest.param(
+        env({"name": "TOKENIZERS_PARALLELISM", "value": "false"},
+            {"name": "VLLM_MAX_TOKENS_PER_STEP", "value": "8"},
+            {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "w", "key": "k"}}}),
+        id="names-near-secret-words-and-secrets-from-a-secret",
+    ),
+    pytest.param({"apiKeySecretRef": {"name": "api", "key": "key"}}, id="api-key-from-a-secret"),
+    pytest.param(
         env(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
             {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"},
@@ -128,7 +141,7 @@ OWNED_CASES = [
     pytest.param(
         args(arg),
         "spec.engineArgs",
-        f"must not set {flag}, which the operator owns",
+        f"must not set {flag} or an abbreviation of it, ",
         id=f"owned{flag}",
     )
     for arg, flag in [
@@ -145,8 +158,32 @@ OWNED_CASES = [
         ("--served_model_name", "--served-model-name"),
         ("--nnodes=2", "--nnodes"),
         ("-dpp", "--data-parallel-rpc-port"),
+        ("--api-key=sk-123", "--api-key"),
     ]
 ]
+
+# Abbreviations vLLM's parser expands to a flag the operator owns (argparse's allow_abbrev),
+# in its spellings: `=value`, a value in the next item, underscores, short-form prefixes, an
+# attached value on a two-character short form.
+ABBREVIATION_CASES = [
+    pytest.param(args(*items), "spec.engineArgs", f"must not set {flag} or an abbreviation",
+                 id=f"abbrev-{items[0]}")
+    for items, flag in [
+        (("--tensor-parallel-si=2",), "--tensor-parallel-size"),
+        (("--api-server-c=1",), "--api-server-count"),
+        (("--data-parallel-back", "mp"), "--data-parallel-backend"),
+        (("--tensor_parallel_s", "8"), "--tensor-parallel-size"),
+        (("--data-parallel-size-l=2",), "--data-parallel-size-local"),
+        (("--distributed-exec=mp",), "--distributed-executor-backend"),
+        (("--served-model", "x"), "--served-model-name"),
+        (("--mod=other",), "--model"),
+        (("--por", "9000"), "--port"),
+        (("-t", "8"), "--tensor-parallel-size"),
+        (("-as=1",), "--api-server-count"),
+        (("-n2",), "--nnodes"),
+        (("--api-k", "sk-1"), "--api-key"),
+    ]
+]  # fmt: skip
 
 RESERVED_CASES = [
     pytest.param(
@@ -248,13 +285,16 @@ INVALID: list[Any] = [
         id="launch-timeout-too-short",
     ),
     *OWNED_CASES,
+    *ABBREVIATION_CASES,
     *RESERVED_CASES,
-    pytest.param(
-        env({"name": "HF_TOKEN", "value": "hf_x"}),
-        "spec.env",
-        "must not hold HF_TOKEN as a literal value; use hfTokenSecretRef",
-        id="hf-token-literal",
-    ),
+    *(pytest.param(env({"name": name, "value": "hf_x"}), "spec.env",
+                   "must not hold a secret as a literal value", id=f"secret-literal-{name}")
+      for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "hf_token", "WANDB_API_KEY",
+                   "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "TOKEN")),
+    pytest.param({"model": "--tensor-parallel-size=8"}, "spec.model", "must not begin with '-'",
+                 id="model-is-a-flag"),
+    pytest.param({"servedModelName": "-x"}, "spec.servedModelName",
+                 "must not begin with '-'", id="served-name-is-a-flag"),
     pytest.param(
         env({"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}),
         "spec.env",
@@ -451,3 +491,26 @@ def test_wrong_json_type_rejected_as_the_api_server_does(path: str, value: Any) 
 def test_integral_number_accepted_for_an_integer_as_the_api_server_does() -> None:
     spec = validate("a", {**BASE, "dataParallel": {"size": 4.0, "ranksPerNode": 2}})
     assert spec.data_parallel.size == 4 and isinstance(spec.data_parallel.size, int)
+
+
+@pytest.mark.parametrize("owned", OWNED_FLAGS, ids=lambda o: o.flag)
+def test_every_prefix_of_an_owned_flag_is_refused_in_every_spelling(owned: Any) -> None:
+    # argparse expands any unique prefix (allow_abbrev), and vLLM takes `_` for `-` in long
+    # flags: each such item, bare, with `=value` or before its value, overrides the operator.
+    spellings = [owned.flag[:n] for n in range(3, len(owned.flag) + 1)]
+    spellings += ["--" + s[2:].replace("-", "_") for s in spellings]
+    if owned.short:
+        spellings += [owned.short[:n] for n in range(2, len(owned.short) + 1)]
+    for item in spellings:
+        for engine_args in ([item], [f"{item}=1"], [item, "1"]):
+            with pytest.raises(SpecError) as info:
+                validate("bad", merge(BASE, args(*engine_args)))
+            assert any(e.path == "spec.engineArgs" and "abbreviation" in e.message
+                       for e in info.value.errors), (engine_args, info.value.errors)
+
+
+def test_an_exact_owned_flag_is_named_alone_not_as_a_longer_flags_abbreviation() -> None:
+    with pytest.raises(SpecError) as info:
+        validate("bad", merge(BASE, args("--data-parallel-size=4")))
+    assert [e.message.split(" or ")[0] for e in info.value.errors] == [
+        "must not set --data-parallel-size"]

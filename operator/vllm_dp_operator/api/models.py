@@ -266,6 +266,12 @@ class VLLMDataParallelSpec(ApiModel):
         default=None,
         description="Secret key holding a Hugging Face token, exposed as HF_TOKEN on every pod.",
     )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API key clients must send (Authorization: Bearer), "
+        "exposed as VLLM_API_KEY on every pod. vLLM then refuses /v1 requests without it; "
+        "/health and /metrics, which the operator reads, stay open.",
+    )
     model_cache: ModelCache | None = Field(
         default=None, description="PersistentVolumeClaim used as the Hugging Face cache."
     )

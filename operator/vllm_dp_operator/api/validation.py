@@ -45,60 +45,82 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class OwnedFlag:
-    """A vllm serve flag the operator sets itself, and where the user says it instead."""
+    """A vllm serve flag the user may not pass, and where the user says it instead."""
 
-    pattern: str  # RE2 and Python re compatible, matched against one engineArgs item
     flag: str
+    short: str | None
     use_instead: str
+    #: The flag's own meaning for the message: "which the operator owns", or why not a literal.
+    why: str = "which the operator owns"
 
 
-def _flag(long: str, short: str | None = None) -> str:
-    # vLLM's parser accepts underscores for dashes in long flags, and --flag=value forms.
-    body = long[2:].replace("-", "[-_]")
-    alternatives = f"--{body}" + (f"|{short}" if short else "")
-    return f"^({alternatives})(=.*)?$"
+_OWNED: tuple[OwnedFlag, ...] = (
+    OwnedFlag("--data-parallel-size", "-dp", "spec.dataParallel.size"),
+    OwnedFlag("--data-parallel-size-local", "-dpl", "spec.dataParallel.ranksPerNode"),
+    OwnedFlag("--data-parallel-address", "-dpa",
+              "nothing: the launcher sets it to the head pod's Ray node IP"),
+    OwnedFlag("--data-parallel-backend", "-dpb",
+              "nothing: the operator always uses the ray backend"),
+    OwnedFlag("--distributed-executor-backend", None,
+              "nothing: the operator sets it to ray where one rank spans several pods"),
+    OwnedFlag("--tensor-parallel-size", "-tp", "spec.tensorParallelSize"),
+    OwnedFlag("--port", None, "spec.service.port"),
+    OwnedFlag("--host", None, "nothing: the API server listens on all pod addresses"),
+    OwnedFlag("--api-server-count", "-asc", "spec.apiServerCount"),
+    OwnedFlag("--model", None, "spec.model"),
+    OwnedFlag("--served-model-name", None, "spec.servedModelName"),
+    OwnedFlag("--nnodes", "-n", "spec.dataParallel (multi-node is Ray's job)"),
+    OwnedFlag("--data-parallel-rpc-port", "-dpp",
+              "nothing: the ray backend does not need it, and it must never equal the HTTP "
+              "port (vllm#20119)"),
+    OwnedFlag("--api-key", None, "spec.apiKeySecretRef",
+              why="a secret, which would be readable in the RayJob and the process list"),
+)  # fmt: skip
 
 
-OWNED_FLAGS: tuple[OwnedFlag, ...] = (
-    OwnedFlag(
-        _flag("--data-parallel-size", "-dp"), "--data-parallel-size", "spec.dataParallel.size"
-    ),
-    OwnedFlag(
-        _flag("--data-parallel-size-local", "-dpl"),
-        "--data-parallel-size-local",
-        "spec.dataParallel.ranksPerNode",
-    ),
-    OwnedFlag(
-        _flag("--data-parallel-address", "-dpa"),
-        "--data-parallel-address",
-        "nothing: the launcher sets it to the head pod's Ray node IP",
-    ),
-    OwnedFlag(
-        _flag("--data-parallel-backend", "-dpb"),
-        "--data-parallel-backend",
-        "nothing: the operator always uses the ray backend",
-    ),
-    OwnedFlag(
-        _flag("--distributed-executor-backend"),
-        "--distributed-executor-backend",
-        "nothing: the operator sets it to ray where one rank spans several pods",
-    ),
-    OwnedFlag(
-        _flag("--tensor-parallel-size", "-tp"), "--tensor-parallel-size", "spec.tensorParallelSize"
-    ),
-    OwnedFlag(_flag("--port"), "--port", "spec.service.port"),
-    OwnedFlag(_flag("--host"), "--host", "nothing: the API server listens on all pod addresses"),
-    OwnedFlag(_flag("--api-server-count", "-asc"), "--api-server-count", "spec.apiServerCount"),
-    OwnedFlag(_flag("--model"), "--model", "spec.model"),
-    OwnedFlag(_flag("--served-model-name"), "--served-model-name", "spec.servedModelName"),
-    OwnedFlag(_flag("--nnodes", "-n"), "--nnodes", "spec.dataParallel (multi-node is Ray's job)"),
-    OwnedFlag(
-        _flag("--data-parallel-rpc-port", "-dpp"),
-        "--data-parallel-rpc-port",
-        "nothing: the ray backend does not need it, and it must never equal the HTTP port "
-        "(vllm#20119)",
-    ),
-)
+def _prefixes(spelled: str, shortest: int, dash: str = "-") -> str:
+    """RE2 (and Python) for every prefix of `spelled` at least `shortest` characters long;
+    each inner dash written as `dash`. Flags hold letters, digits and dashes only, so nothing
+    needs a backslash (which a CEL string literal would take as its own escape)."""
+    assert re.fullmatch(r"[a-z0-9-]+", spelled), spelled
+
+    def char(ch: str) -> str:
+        return dash if ch == "-" else ch
+
+    head = "".join(char(ch) for ch in spelled[:shortest])
+    tail = ""
+    for ch in reversed(spelled[shortest:]):
+        tail = f"({char(ch)}{tail})?"
+    return head + tail
+
+
+def _shortest(spelled: str, others: list[str], floor: int) -> int:
+    # A prefix that is also another owned flag's prefix is that flag's to name (argparse
+    # takes an exact match first): `--data-parallel-size` is not `-local` abbreviated.
+    inside = [len(o) + 1 for o in others if o != spelled and spelled.startswith(o)]
+    return max([floor, *inside])
+
+
+def owned_pattern(owned: OwnedFlag) -> str:
+    """Every argparse spelling of an owned flag as one engineArgs item: the flag or any prefix
+    argparse would expand to it (vLLM's parser allows abbreviations), dashes or underscores,
+    with or without `=value`; the short form and its prefixes; a two-character short form with
+    its value attached (`-n2`)."""
+    longs = [o.flag for o in _OWNED]
+    shorts = [o.short for o in _OWNED if o.short]
+    # `--` and one character at least; vLLM takes `_` for an inner `-` in long flags only.
+    alternatives = ["--" + _prefixes(owned.flag[2:], _shortest(owned.flag, longs, 3) - 2,
+                                     dash="[-_]")]  # fmt: skip
+    if owned.short:
+        if len(owned.short) == 2:  # argparse reads `-n2` as `-n 2`
+            alternatives.append(owned.short + ".*")
+        else:
+            alternatives.append("-" + _prefixes(owned.short[1:],
+                                                 _shortest(owned.short, shorts, 2) - 1))
+    return f"^({'|'.join(alternatives)})(=.*)?$"
+
+
+OWNED_FLAGS = _OWNED
 
 # Variables the operator sets, and what to use instead; HF_TOKEN only as a literal.
 RESERVED_ENV = {
@@ -107,15 +129,26 @@ RESERVED_ENV = {
     "VLLM_RAY_DP_PACK_STRATEGY": "spec.dataParallel.packStrategy",
     "RAY_ADDRESS": "nothing: vllm serve joins the Ray cluster it runs in; ray:// addresses "
     "are not supported (vllm#14349)",
+    "VLLM_API_KEY": "apiKeySecretRef",
 }
+
+#: Variable names that hold a secret: known ones, and any with one of these words as a part
+#: (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY; not
+#: TOKENIZERS_PARALLELISM). Such a variable comes from a Secret, never as a literal: a literal
+#: travels in the head job's plan, readable by anyone who can read RayJobs.
+SECRET_ENV_PATTERN = (
+    "(?i)(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|API_?KEY|ACCESS_?KEY)(_|$)"
+)
 
 
 def _owned_flag_rule(owned: OwnedFlag) -> Rule:
-    regex = re.compile(owned.pattern)
+    pattern = owned_pattern(owned)
+    regex = re.compile(pattern)
     return Rule(
         field="engineArgs",
-        cel=f"!self.engineArgs.exists(a, a.matches('{owned.pattern}'))",
-        message=f"must not set {owned.flag}, which the operator owns; use {owned.use_instead}",
+        cel=f"!self.engineArgs.exists(a, a.matches('{pattern}'))",
+        message=f"must not set {owned.flag} or an abbreviation of it, {owned.why}; use "
+        f"{owned.use_instead}",
         holds=lambda s: not any(regex.search(a) for a in s.engine_args),
     )
 
@@ -165,6 +198,9 @@ def _reserved_port_rule(low: int, high: int, owner: str) -> Rule:
         "bind it on the head pod",
         holds=lambda s: not low <= s.service.port <= high,
     )
+
+
+_SECRET_ENV = re.compile(SECRET_ENV_PATTERN)
 
 
 def _reserved_list() -> str:
@@ -255,9 +291,24 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field="env",
-        cel="self.env.all(e, e.name != 'HF_TOKEN' || !has(e.value))",
-        message="must not hold HF_TOKEN as a literal value; use hfTokenSecretRef",
-        holds=lambda s: all(e.name != "HF_TOKEN" or e.value is None for e in s.env),
+        cel=f"self.env.all(e, !has(e.value) || !e.name.matches('{SECRET_ENV_PATTERN}'))",
+        message="must not hold a secret as a literal value (a name with TOKEN, SECRET, "
+        "PASSWORD, CREDENTIALS, API_KEY or ACCESS_KEY in it): it would be readable in the "
+        "RayJob; use valueFrom.secretKeyRef, or hfTokenSecretRef for HF_TOKEN and "
+        "apiKeySecretRef for the API key",
+        holds=lambda s: all(e.value is None or not _SECRET_ENV.search(e.name) for e in s.env),
+    ),
+    Rule(
+        field="model",
+        cel="!self.model.startsWith('-')",
+        message="must not begin with '-': vllm serve would read it as a flag",
+        holds=lambda s: not s.model.startswith("-"),
+    ),
+    Rule(
+        field="servedModelName",
+        cel="!has(self.servedModelName) || !self.servedModelName.startsWith('-')",
+        message="must not begin with '-': vllm serve would read it as a flag",
+        holds=lambda s: not (s.served_model_name or "").startswith("-"),
     ),
     Rule(
         field="env",

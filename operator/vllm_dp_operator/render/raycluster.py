@@ -25,12 +25,11 @@ def _env(spec: VLLMDataParallelSpec, options: RenderOptions) -> list[dict[str, A
         {"name": "GLOO_SOCKET_IFNAME", "value": options.socket_ifname},
         {"name": "NCCL_SOCKET_IFNAME", "value": options.socket_ifname},
     ]
-    if spec.hf_token_secret_ref is not None:
-        ref = spec.hf_token_secret_ref
-        env.append(
-            {"name": "HF_TOKEN",
-             "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-        )  # fmt: skip
+    for name, ref in (("HF_TOKEN", spec.hf_token_secret_ref),
+                      ("VLLM_API_KEY", spec.api_key_secret_ref)):  # fmt: skip
+        if ref is not None:
+            env.append({"name": name,
+                        "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     if spec.model_cache is not None:
         env.append({"name": "HF_HOME", "value": spec.model_cache.mount_path})
     env += [{"name": e.name, "valueFrom": e.value_from} for e in spec.env if e.value_from]
