@@ -182,6 +182,7 @@ INVALID = [
     ("engineArgs", {"engineArgs": ["--data-parallel-back", "mp"]}),
     ("engineArgs", {"engineArgs": ["-n2"]}),
     ("model", {"model": "--tensor-parallel-size=8"}),
+    ("serviceAccountName", {"serviceAccountName": "Engines_SA"}),
     ("dataParallel.packStrategy", {"dataParallel": {"size": 4, "ranksPerNode": 2,
                                                     "packStrategy": "spread"}}),
     ("shmSize", {"shmSize": "lots"}),

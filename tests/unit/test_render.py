@@ -195,10 +195,35 @@ def test_raycluster_pods_run_the_engine_as_non_root_with_a_writable_cache() -> N
     spec = validate("demo", with_(modelCache={"claimName": "hf"}))
     assert not spec.model_cache or not spec.model_cache.mount_path.startswith("/root")
     for template in templates(cluster_of(with_(modelCache={"claimName": "hf"}))):
-        assert template["spec"]["securityContext"] == {
-            "fsGroup": 2000, "fsGroupChangePolicy": "OnRootMismatch"}  # fmt: skip
+        context = template["spec"]["securityContext"]
+        assert (context["fsGroup"], context["fsGroupChangePolicy"]) == (2000, "OnRootMismatch")
     other = cluster_of(BASE, options=RenderOptions(fs_group=1234))
     assert templates(other)[0]["spec"]["securityContext"]["fsGroup"] == 1234
+
+
+def test_raycluster_pods_meet_the_restricted_pod_security_standard() -> None:
+    # What PSS `restricted` checks on every container and the pod; no API token in the pods.
+    for template in templates(cluster_of(BASE)):
+        pod = template["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"]:
+            ctx = c["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["capabilities"] == {"drop": ["ALL"]}
+            assert ctx["runAsNonRoot"] is True and "runAsUser" not in ctx
+            assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert not any(k in pod for k in ("hostNetwork", "hostPID", "hostIPC"))
+        assert all("hostPath" not in v for v in pod["volumes"])
+
+
+def test_service_account_and_pull_secrets_reach_every_pod() -> None:
+    raw = with_(serviceAccountName="engines", imagePullSecrets=[{"name": "regcred"}])
+    for template in templates(cluster_of(raw)):
+        assert template["spec"]["serviceAccountName"] == "engines"
+        assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert "serviceAccountName" not in templates(cluster_of(BASE))[0]["spec"]
 
 
 def test_raycluster_pods_share_the_process_namespace() -> None:

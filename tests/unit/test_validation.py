@@ -291,6 +291,12 @@ INVALID: list[Any] = [
                    "must not hold a secret as a literal value", id=f"secret-literal-{name}")
       for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "hf_token", "WANDB_API_KEY",
                    "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "TOKEN")),
+    pytest.param({"serviceAccountName": "Engines_SA"}, "spec.serviceAccountName",
+                 "should match pattern", id="service-account-not-a-dns-name"),
+    pytest.param({"imagePullSecrets": [{"name": "a b"}]}, "spec.imagePullSecrets[0].name",
+                 "should match pattern", id="pull-secret-not-a-dns-name"),
+    pytest.param({"imagePullSecrets": ["regcred"]}, "spec.imagePullSecrets[0]",
+                 "valid dictionary", id="pull-secret-not-in-name-form"),
     pytest.param({"model": "--tensor-parallel-size=8"}, "spec.model", "must not begin with '-'",
                  id="model-is-a-flag"),
     pytest.param({"servedModelName": "-x"}, "spec.servedModelName",

@@ -107,6 +107,17 @@ class SecretKeyRef(ApiModel):
     key: str = Field(min_length=1, max_length=253, description="Key inside the Secret.")
 
 
+#: A DNS-1123 subdomain, as ServiceAccount and Secret names are.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class LocalObjectReference(ApiModel):
+    """An object in the resource's namespace, by name (KubeRay's and the pod's `{name: ...}`)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN,
+                      description="Object name.")  # fmt: skip
+
+
 class ModelCache(ApiModel):
     """An existing PersistentVolumeClaim mounted as the Hugging Face cache on every pod."""
 
@@ -252,6 +263,17 @@ class VLLMDataParallelSpec(ApiModel):
     priority_class_name: str | None = Field(
         default=None, max_length=253, description="PriorityClass of every Ray pod."
     )
+    service_account_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=DNS1123_SUBDOMAIN,
+        description="ServiceAccount of every Ray pod (the namespace's default when unset). Its "
+        "token is not mounted: nothing in the pods talks to the Kubernetes API.",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16,
+        description="Secrets for pulling the engine image, on every Ray pod.",
+    )  # fmt: skip
     engine_args: list[str] = Field(
         default_factory=list,
         max_length=128,

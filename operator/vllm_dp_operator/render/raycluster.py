@@ -92,6 +92,13 @@ def _pod_template(
         "resources": _resources(spec, plan, head),
         "env": _env(spec, options),
         "volumeMounts": mounts,
+        # Pod Security Standards `restricted`: a namespace that enforces it admits these pods.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
     }
     if head:
         container["ports"] = _head_ports(spec)
@@ -105,7 +112,15 @@ def _pod_template(
         "shareProcessNamespace": True,
         # The engine runs as a non-root user: fsGroup makes the model cache claim writable to
         # it; OnRootMismatch skips the recursive chown of a large cache once it is right.
-        "securityContext": {"fsGroup": options.fs_group, "fsGroupChangePolicy": "OnRootMismatch"},
+        "securityContext": {
+            "fsGroup": options.fs_group,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # Nothing in a Ray pod talks to the Kubernetes API; code run through Ray (a job, an
+        # engine) must not find a credential for it.
+        "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": volumes,
         "tolerations": tolerations,
@@ -116,6 +131,10 @@ def _pod_template(
         pod["affinity"] = spec.affinity
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
+    if spec.service_account_name:
+        pod["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     labels = names.instance_labels(instance, constants.COMPONENT_ENGINE)
     # A copy per template: otherwise head and worker share the spec's own dicts (tolerations,
     # affinity, valueFrom), and editing one manifest would edit the other and the spec.
