@@ -36,7 +36,6 @@ from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import (
     MANAGED_SELECTOR,
     CachedKube,
-    CountingKube,
     Obj,
     ObjectCache,
     json_copy,
@@ -54,6 +53,7 @@ from vllm_dp_operator.controller.kube import (
     Kube,
     NamespaceTerminating,
 )
+from vllm_dp_operator.controller.reconcile_view import CountingKube
 from vllm_dp_operator.controller.status_writer import StatusWriter
 from vllm_dp_operator.controller.workqueue import ShutDown, WorkQueue
 from vllm_dp_operator.engines.probe import HealthProbe

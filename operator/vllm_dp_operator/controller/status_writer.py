@@ -118,7 +118,7 @@ class StatusWriter:
                 self._check_idle()
                 continue
             self.patches += 1
-            self._cache.upsert(VDP, obj)
+            self._cache.wrote(VDP, obj)
             left = self._pending.get(key)
             if left is not None:
                 for name, value in sent.items():
