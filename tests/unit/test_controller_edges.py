@@ -6,12 +6,60 @@ FakeApi double, as in test_controller.py.
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fake_api import FakeApi
-from test_controller import Bed
-from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB, Kind
+from kubernetes_asyncio.client.exceptions import ApiException
+from test_controller import CFG, SPEC, Bed
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB, VDP, Kind
+
+
+def _owner(name: str, uid: str | None = None, generation: int = 1) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "generation": generation}
+    if uid:
+        meta["uid"] = uid
+    return {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND, "metadata": meta,
+            "spec": SPEC}  # fmt: skip
+
+
+def _add(bed: Bed, name: str, uid: str | None = None) -> None:
+    """A user creates a resource; kopf reports it."""
+    bed.api.put(VDP, _owner(name, uid))
+    bed.ctl.owner_event("ADDED", copy.deepcopy(bed.api.objects[(VDP, "default", name)]))
+
+
+class QuotaApi(FakeApi):
+    """Refuses every create for the resource `stuck`, as a quota forbidding LoadBalancers."""
+
+    async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        if (body["metadata"].get("labels") or {}).get(c.LABEL_INSTANCE) == "stuck":
+            self.calls["refused"] += 1
+            raise ApiException(status=403, reason="Forbidden: exceeded quota")
+        return await super().create(kind, namespace, body)
+
+
+async def test_a_resource_failing_its_first_reconcile_holds_no_other_status_back() -> None:
+    bed = Bed(replace(CFG, workers=4), api=QuotaApi())
+    bed.ctl.start()
+    try:
+        await bed.until("the caches filled", lambda: bed.ctl.synced)
+        _add(bed, "stuck")
+        await bed.until("a refused create", lambda: bed.api.calls["refused"] >= 1)
+        names = ["demo", *(f"r{i}" for i in range(5))]
+        for name in names:
+            _add(bed, name)
+        # Status waits up to 2 s per patch while a resource waits for its first try; six
+        # patches on two writers would take 6 s if `stuck` counted as waiting for ever.
+        took = await bed.until("six statuses", lambda: all(
+            bed.api.objects[(VDP, "default", n)].get("status") for n in names), timeout=1.5)
+        assert took < 1.5
+        assert bed.ctl.failures >= 1, "the stuck resource kept failing meanwhile"
+    finally:
+        await bed.ctl.stop()
 
 
 class StallingListApi(FakeApi):

@@ -143,7 +143,7 @@ class Controller:
                                    gate=self._quiet)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        #: Resources not reconciled yet since they appeared (or since the operator started).
+        #: Resources not tried yet since they appeared (or since the operator started).
         self._new: set[Key] = set()
         self._no_new = asyncio.Event()
         self._no_new.set()
@@ -305,6 +305,9 @@ class Controller:
             else:
                 self.queue.forget(key)
             finally:
+                # Settled after its first try, failed or not: a resource whose reconcile keeps
+                # failing must not hold every other resource's status and Events back.
+                self._settled(key)
                 self.queue.done(key)
                 if result is not None:
                     self.metrics.reconciled(result, asyncio.get_running_loop().time() - started)
