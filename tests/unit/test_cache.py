@@ -120,6 +120,20 @@ def test_replace_reports_added_changed_and_vanished_objects() -> None:
     assert cache.select(SERVICE, "default", {c.LABEL_INSTANCE: "lost"}) == []
 
 
+def test_replace_keeps_what_we_wrote_after_the_list_began() -> None:
+    cache = ObjectCache([RAYJOB])
+    cache.wrote(RAYJOB, obj("before", rv="x1"))  # answered before the LIST was sent
+    since = cache.writes
+    cache.wrote(RAYJOB, obj("during", rv="x9"))  # answered while the LIST was on its way
+    touched = cache.replace(RAYJOB, [obj("other", instance="b", rv="x5")], None, since)
+    # The LIST cannot hold what was written after it began: that stays, for the watch to
+    # echo. A write answered before it began is in the LIST if it still exists: it went.
+    assert cache.get(RAYJOB, "default", "during") is not None
+    assert cache.get(RAYJOB, "default", "before") is None
+    assert sorted(o["metadata"]["name"] for o in touched) == ["before", "other"]
+    assert not cache.upsert(RAYJOB, obj("during", rv="x9")), "the watch's echo is no news"
+
+
 async def test_cached_kube_reads_from_cache_and_writes_through() -> None:
     api = FakeApi()
     cache = ObjectCache([SERVICE])
