@@ -253,7 +253,7 @@ async def test_reflector_retries_an_outage_at_most_retry_cap_apart(monkeypatch: 
 
 
 class _Breaks(FakeApi):
-    """The first watch stream breaks after two events, as a connection reset does."""
+    """The first watch stream breaks after two events and a bookmark, as a reset does."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -268,6 +268,8 @@ class _Breaks(FakeApi):
             yield event
             seen += 1
             if len(self.watched_from) == 1 and seen == 2:
+                at = {"resourceVersion": str(self.rv)}
+                yield {"type": "BOOKMARK", "object": {"metadata": at}}
                 raise aiohttp.ClientPayloadError("connection reset mid-stream")
 
 
@@ -280,9 +282,10 @@ async def test_a_watch_broken_mid_stream_resumes_from_its_last_event() -> None:
         seen.clear()
         api.put(POD, obj("p1"))
         api.put(POD, obj("p2"))
+        api.put(RAYCLUSTER, obj("rc"))  # another kind: only the bookmark carries its version
         last = api.rv
         await _until("a second watch", lambda: len(api.watched_from) == 2)
-        assert api.watched_from == [listed_at, str(last)], "resumes after p2, not from the list"
+        assert api.watched_from == [listed_at, str(last)], "resumes at the bookmark after p2"
         api.put(POD, obj("p3"))
         await _until("the event after the break", lambda: seen[-1:] == ["p3"])
         assert seen == ["p1", "p2", "p3"], "nothing replayed, nothing missed"
