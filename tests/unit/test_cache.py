@@ -70,18 +70,40 @@ def test_select_reads_the_label_index_and_filters_every_term() -> None:
     assert cache.select(POD, "default", {c.LABEL_RAY_CLUSTER: "demo-abcde"})
 
 
-def test_an_older_version_never_overwrites_a_newer_one() -> None:
+def test_a_watch_event_before_our_write_never_overwrites_its_answer() -> None:
+    # resourceVersions are opaque: what orders them is the watch, which delivers an object's
+    # versions in order. Until it echoes our write's version, what it brings is older.
     cache = ObjectCache([RAYJOB])
-    assert cache.upsert(RAYJOB, obj("j", rv="10", status={"jobStatus": "RUNNING"}))
-    assert not cache.upsert(RAYJOB, obj("j", rv="9", status={"jobStatus": "PENDING"}))
+    cache.wrote(RAYJOB, obj("j", rv="b7", status={"jobStatus": "RUNNING"}))
+    assert not cache.upsert(RAYJOB, obj("j", rv="a9", status={"jobStatus": "PENDING"}))
     got = cache.get(RAYJOB, "default", "j")
     assert got is not None and got["status"]["jobStatus"] == "RUNNING"
+    assert not cache.upsert(RAYJOB, obj("j", rv="b7", status={"jobStatus": "RUNNING"})), "echo"
+    # After the echo, the watch's next version is news, whatever its spelling.
+    assert cache.upsert(RAYJOB, obj("j", rv="a1", status={"jobStatus": "FAILED"}))
+    assert not cache.upsert(RAYJOB, obj("j", rv="a1", status={"jobStatus": "FAILED"}))
+    # A write's answer that comes after the watch already brought that version is no news.
+    cache.wrote(RAYJOB, obj("j", rv="a1", status={"jobStatus": "FAILED"}))
+    assert cache.upsert(RAYJOB, obj("j", rv="c2", status={"jobStatus": "SUCCEEDED"}))
     # A new object of the same name (another uid) replaces it whatever its version.
     assert cache.upsert(RAYJOB, obj("j", rv="3", uid="again"))
     # A delete of the old uid does not remove the new object.
     assert cache.remove(RAYJOB, obj("j", uid="uid-j")) is None
     assert cache.remove(RAYJOB, obj("j", uid="again")) is not None
     assert cache.count(RAYJOB) == 0
+
+
+def test_a_newer_generation_lands_over_a_held_write() -> None:
+    # kopf hands on only the last of a quick run of events: the echo of our status patch may
+    # never come, and a user's edit after it must land all the same.
+    cache = ObjectCache([RAYJOB])
+    cache.wrote(RAYJOB, {**obj("j", rv="5"), "spec": {"x": 1}})
+    cache._objects[RAYJOB][("default", "j")]["metadata"]["generation"] = 1
+    newer = {**obj("j", rv="9"), "spec": {"x": 2}}
+    newer["metadata"]["generation"] = 2
+    assert cache.upsert(RAYJOB, newer)
+    got = cache.get(RAYJOB, "default", "j")
+    assert got is not None and got["spec"] == {"x": 2}
 
 
 def test_replace_reports_added_changed_and_vanished_objects() -> None:
@@ -96,6 +118,20 @@ def test_replace_reports_added_changed_and_vanished_objects() -> None:
         "default", "lost")
     assert cache.get(SERVICE, "default", "gone") is None
     assert cache.select(SERVICE, "default", {c.LABEL_INSTANCE: "lost"}) == []
+
+
+def test_replace_keeps_what_we_wrote_after_the_list_began() -> None:
+    cache = ObjectCache([RAYJOB])
+    cache.wrote(RAYJOB, obj("before", rv="x1"))  # answered before the LIST was sent
+    since = cache.writes
+    cache.wrote(RAYJOB, obj("during", rv="x9"))  # answered while the LIST was on its way
+    touched = cache.replace(RAYJOB, [obj("other", instance="b", rv="x5")], None, since)
+    # The LIST cannot hold what was written after it began: that stays, for the watch to
+    # echo. A write answered before it began is in the LIST if it still exists: it went.
+    assert cache.get(RAYJOB, "default", "during") is not None
+    assert cache.get(RAYJOB, "default", "before") is None
+    assert sorted(o["metadata"]["name"] for o in touched) == ["before", "other"]
+    assert not cache.upsert(RAYJOB, obj("during", rv="x9")), "the watch's echo is no news"
 
 
 async def test_cached_kube_reads_from_cache_and_writes_through() -> None:
@@ -214,3 +250,44 @@ async def test_reflector_retries_an_outage_at_most_retry_cap_apart(monkeypatch: 
         task.cancel()
     assert waits == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0, 4.0]
     assert max(waits) == RETRY_CAP_SECONDS
+
+
+class _Breaks(FakeApi):
+    """The first watch stream breaks after two events and a bookmark, as a reset does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched_from: list[str] = []
+
+    async def watch(self, kind: Kind, namespace: str | None, selector: str,
+                    resource_version: str, timeout_seconds: int) -> Any:  # fmt: skip
+        self.watched_from.append(resource_version)
+        seen = 0
+        async for event in super().watch(kind, namespace, selector, resource_version,
+                                         timeout_seconds):  # fmt: skip
+            yield event
+            seen += 1
+            if len(self.watched_from) == 1 and seen == 2:
+                at = {"resourceVersion": str(self.rv)}
+                yield {"type": "BOOKMARK", "object": {"metadata": at}}
+                raise aiohttp.ClientPayloadError("connection reset mid-stream")
+
+
+async def test_a_watch_broken_mid_stream_resumes_from_its_last_event() -> None:
+    api = _Breaks()
+    api.put(POD, obj("p0"))
+    reflector, seen, task = await _reflect(api, POD)
+    try:
+        listed_at = reflector.resource_version
+        seen.clear()
+        api.put(POD, obj("p1"))
+        api.put(POD, obj("p2"))
+        api.put(RAYCLUSTER, obj("rc"))  # another kind: only the bookmark carries its version
+        last = api.rv
+        await _until("a second watch", lambda: len(api.watched_from) == 2)
+        assert api.watched_from == [listed_at, str(last)], "resumes at the bookmark after p2"
+        api.put(POD, obj("p3"))
+        await _until("the event after the break", lambda: seen[-1:] == ["p3"])
+        assert seen == ["p1", "p2", "p3"], "nothing replayed, nothing missed"
+    finally:
+        task.cancel()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.controller.kube import POD, RAYJOB, SERVICE
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE
 from world import World, launched, serving, spec
 
 
@@ -202,3 +204,40 @@ async def test_attempt_numbers_never_repeat_even_without_status() -> None:
     await w.step()
     assert set(w.job_names()) == {"demo-j00001", "demo-j00002"}
     assert w.status["headJob"] == "demo-j00002" and w.status["launchAttempts"] == 2
+
+
+def _born_again(w: World, raw_spec: dict[str, object]) -> int:
+    """The resource is deleted and created again under its name before the garbage collector
+    takes the old one's children; return how many writes were made so far."""
+    w.uid, w.status, w.generation, w.spec = "uid-demo-2", {}, 1, raw_spec
+    return len(w.kube.writes)
+
+
+async def test_a_deleted_namesakes_children_are_not_adopted_or_counted() -> None:
+    w = await launched()
+    w.run("demo-j00001")
+    (old_cluster,) = [cl["metadata"]["name"] for cl in w.clusters()]
+    before = _born_again(w, spec())  # the same spec: the same child names
+    await w.step()
+    # Its ready cluster and running head job are not this resource's: nothing launches on
+    # them, its attempt is not counted, and the cluster of that name waits for the collector.
+    assert w.kube.writes[before:] == []
+    assert w.job_names() == ["demo-j00001"] and w.status["launchAttempts"] == 0
+    assert w.status["phase"] == c.PHASE_PROVISIONING and w.status["rayCluster"] == old_cluster
+    del w.kube.objects[(RAYCLUSTER, "default", old_cluster)]  # the collector, at last
+    await w.step()
+    (cluster,) = w.clusters()
+    assert cluster["metadata"]["ownerReferences"][0]["uid"] == "uid-demo-2"
+
+
+async def test_a_deleted_namesakes_children_are_never_changed_or_deleted() -> None:
+    w = await launched()
+    old = {(k.plural, n): copy.deepcopy(o) for (k, _, n), o in w.kube.objects.items()}
+    before = _born_again(w, spec(dataParallel={"size": 12, "ranksPerNode": 4}))
+    await w.step()
+    made = w.kube.writes[before:]
+    assert made and all(verb == "create" for verb, _, _ in made), made
+    for (plural, name), obj in old.items():
+        now = next(o for (k, _, n), o in w.kube.objects.items() if (k.plural, n) == (plural, name))
+        assert now == obj, f"{plural}/{name} changed"
+    assert w.status["launchAttempts"] == 0

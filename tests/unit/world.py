@@ -93,11 +93,12 @@ class World:
         self.spec = raw_spec or spec()
         self.status: dict[str, Any] = {}
         self.generation = 1
+        self.uid = "uid-demo"
         self.events: list[tuple[str, str, str]] = []
 
     async def step(self, advance: float = 0.0) -> Outcome:
         self.now += timedelta(seconds=advance)
-        res = Resource("demo", "default", "uid-demo", self.generation, self.spec, self.status)
+        res = Resource("demo", "default", self.uid, self.generation, self.spec, self.status)
         out = await reconcile(res, self.kube, self.probe, self.ray, CFG, self.now)
         self.status = {k: v for k, v in out.status.items() if v is not None}
         self.events += [(e.type, e.reason, e.message) for e in out.events]

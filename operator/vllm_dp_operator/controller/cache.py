@@ -5,6 +5,11 @@ The reflectors (`informer.py`) fill one `ObjectCache`; `CachedKube` answers the 
 the API, storing each answer, so the next reconcile sees its own writes before the watch
 echoes them. Objects are slimmed on the way in (no managedFields, no pod templates): what the
 reconcile and status read stays, the rest would only cost memory.
+
+resourceVersions are opaque (the API promises no order), so the cache never compares two of
+them except for equality. What it uses instead: a watch delivers one object's versions in
+order, so while an answer to our own write waits for its echo, the events before the echo are
+older than it. A relist keeps what we wrote after its LIST began: the LIST cannot hold it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ INDEXED_LABELS = (c.LABEL_INSTANCE, c.LABEL_RAY_CLUSTER)
 _META_KEPT = ("name", "namespace", "uid", "resourceVersion", "generation", "labels",
               "ownerReferences", "deletionTimestamp", "creationTimestamp")  # fmt: skip
 _DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)
+#: Versions remembered per object for a write's late answer (its echo is at most a few back).
+RECENT_VERSIONS = 4
 
 
 def _meta(obj: Obj) -> Obj:
@@ -95,9 +102,36 @@ def parse_selector(selector: str) -> dict[str, str] | None:
     return terms
 
 
-def _rv(obj: Obj) -> int | None:
-    raw = (obj.get("metadata") or {}).get("resourceVersion")
-    return int(raw) if isinstance(raw, str) and raw.isdigit() else None
+def _rv(obj: Obj) -> str | None:
+    rv = (obj.get("metadata") or {}).get("resourceVersion")
+    return str(rv) if rv else None
+
+
+def _key(obj: Obj) -> tuple[str, str]:
+    meta = obj["metadata"]
+    return (meta.get("namespace") or "", meta["name"])
+
+
+def _moved_on(event: Obj, held: Obj) -> bool:
+    """Whether a watch event is news past the write answer the cache holds: a newer spec
+    (generation is a counter, unlike resourceVersion) or a deletion our answer predates.
+
+    kopf hands on only the last of a quick run of events, so the echo of our write may never
+    come; a user's edit after it must still land.
+    """
+    new_meta, old_meta = event["metadata"], held["metadata"]
+    gen_new, gen_old = new_meta.get("generation"), old_meta.get("generation")
+    if isinstance(gen_new, int) and isinstance(gen_old, int) and gen_new > gen_old:
+        return True
+    return bool(new_meta.get("deletionTimestamp")) and not old_meta.get("deletionTimestamp")
+
+
+def controller_uid(obj: Obj) -> str | None:
+    """The uid in an object's controller owner reference, or None when it has none."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid") or "") or None
+    return None
 
 
 def owner_key(obj: Obj) -> tuple[str, str] | None:
@@ -115,6 +149,14 @@ class ObjectCache:
         self._index: dict[Kind, dict[tuple[str, str, str], set[str]]] = {
             k: {} for k in self._objects
         }
+        #: Answers to our own writes the watch has not echoed yet: key -> (version, write no.).
+        self._held: dict[Kind, dict[tuple[str, str], tuple[str | None, int]]] = {
+            k: {} for k in self._objects
+        }
+        #: The last few versions the watch delivered per object: a write's answer that comes
+        #: after its own echo (two connections, no order between them) is no news then.
+        self._recent: dict[Kind, dict[tuple[str, str], list[str]]] = {k: {} for k in self._objects}
+        self._writes = 0
 
     def holds(self, kind: Kind) -> bool:
         """Whether this kind is cached (others go to the API)."""
@@ -166,23 +208,58 @@ class ObjectCache:
                 if not names:
                     del self._index[kind][slot]
 
-    def upsert(self, kind: Kind, raw: Obj) -> bool:
-        """Store an object (slimmed); False when the cache holds this version or a newer one.
+    @property
+    def writes(self) -> int:
+        """How many write answers were stored so far; a relist notes it before its LIST."""
+        return self._writes
 
-        So the watch's echo of the operator's own write, already stored from the write's
-        answer, is no news and wakes nobody.
-        """
-        obj = slim(kind, raw)
-        key = (obj["metadata"].get("namespace") or "", obj["metadata"]["name"])
+    def _put(self, kind: Kind, key: tuple[str, str], obj: Obj) -> None:
         old = self._objects[kind].get(key)
         if old is not None:
-            new_rv, old_rv = _rv(obj), _rv(old)
-            same_uid = old["metadata"].get("uid") == obj["metadata"].get("uid")
-            if same_uid and new_rv is not None and old_rv is not None and new_rv <= old_rv:
-                return False
             self._index_update(kind, old, add=False)
         self._objects[kind][key] = obj
         self._index_update(kind, obj, add=True)
+
+    def wrote(self, kind: Kind, raw: Obj) -> None:
+        """Store the API's answer to our own write, held until the watch echoes its version."""
+        obj = slim(kind, raw)
+        key = _key(obj)
+        self._writes += 1
+        if _rv(obj) in self._recent[kind].get(key, ()):
+            return  # the watch was here first, with this version or a later one
+        self._put(kind, key, obj)
+        self._held[kind][key] = (_rv(obj), self._writes)
+
+    def _saw(self, kind: Kind, key: tuple[str, str], obj: Obj) -> None:
+        rv = _rv(obj)
+        if rv is not None:
+            recent = self._recent[kind].setdefault(key, [])
+            recent.append(rv)
+            del recent[:-RECENT_VERSIONS]
+
+    def upsert(self, kind: Kind, raw: Obj) -> bool:
+        """Store a watch event's object; False when it is no news.
+
+        No news: the version the cache holds (so the watch's echo of the operator's own
+        write, stored from the write's answer, wakes nobody), or a version from before a
+        write of ours whose echo has not come yet.
+        """
+        obj = slim(kind, raw)
+        key = _key(obj)
+        self._saw(kind, key, obj)
+        old = self._objects[kind].get(key)
+        held = self._held[kind].get(key)
+        if old is not None and old["metadata"].get("uid") == obj["metadata"].get("uid"):
+            if held is not None:
+                if _rv(obj) == held[0]:
+                    del self._held[kind][key]
+                    return False
+                if not _moved_on(obj, old):
+                    return False
+            elif _rv(obj) is not None and _rv(obj) == _rv(old):
+                return False
+        self._held[kind].pop(key, None)
+        self._put(kind, key, obj)
         return True
 
     def remove(self, kind: Kind, raw: Obj) -> Obj | None:
@@ -196,6 +273,8 @@ class ObjectCache:
         if uid and old["metadata"].get("uid") and old["metadata"]["uid"] != uid:
             return None
         del self._objects[kind][key]
+        self._held[kind].pop(key, None)
+        self._recent[kind].pop(key, None)
         self._index_update(kind, old, add=False)
         return old
 
@@ -205,22 +284,33 @@ class ObjectCache:
         if obj is not None and not obj["metadata"].get("deletionTimestamp"):
             obj["metadata"]["deletionTimestamp"] = rfc3339(datetime.now(UTC))
 
-    def replace(self, kind: Kind, raws: Iterable[Obj], namespace: str | None) -> list[Obj]:
+    def replace(self, kind: Kind, raws: Iterable[Obj], namespace: str | None,
+                since: int = 0) -> list[Obj]:  # fmt: skip
         """Swap in a fresh LIST's objects; return those added, changed or gone (to wake owners).
 
         Like client-go's DeltaFIFO.Replace: objects missing from the new list were deleted
-        while no watch ran (after a 410), and their owners must hear about it.
+        while no watch ran (after a 410), and their owners must hear about it. But an answer
+        to a write of ours stored after the LIST began (`since`, this cache's `writes` then)
+        is newer than the list, or missing from it: it stays, held for the watch to echo.
         """
         fresh: dict[tuple[str, str], Obj] = {}
         for raw in raws:
             obj = slim(kind, raw)
-            fresh[(obj["metadata"].get("namespace") or "", obj["metadata"]["name"])] = obj
+            fresh[_key(obj)] = obj
         touched: list[Obj] = []
-        objects = self._objects[kind]
+        objects, held = self._objects[kind], self._held[kind]
         for key, old in list(objects.items()):
             if namespace and key[0] != namespace:
                 continue
             new = fresh.get(key)
+            ours = held.get(key)
+            if ours is not None and ours[1] > since:
+                if new is not None and _rv(new) == ours[0]:
+                    del held[key]  # the list holds our write: the watch will not echo it
+                fresh.pop(key, None)
+                continue
+            held.pop(key, None)  # written before the LIST began: the list is as new
+            self._recent[kind].pop(key, None)
             if new is None or new["metadata"].get("uid") != old["metadata"].get("uid"):
                 del objects[key]
                 self._index_update(kind, old, add=False)
@@ -229,10 +319,7 @@ class ObjectCache:
             prior = objects.get(key)
             if prior is not None and _rv(prior) == _rv(obj):
                 continue
-            if prior is not None:
-                self._index_update(kind, prior, add=False)
-            objects[key] = obj
-            self._index_update(kind, obj, add=True)
+            self._put(kind, key, obj)
             touched.append(obj)
         return touched
 
@@ -268,14 +355,14 @@ class CachedKube:
         """Create an object; raise AlreadyExists on 409."""
         obj = await self._api.create(kind, namespace, body)
         if self._cache.holds(kind):
-            self._cache.upsert(kind, obj)
+            self._cache.wrote(kind, obj)
         return obj
 
     async def patch(self, kind: Kind, namespace: str, name: str, body: Obj) -> Obj:
         """JSON merge-patch an object."""
         obj = await self._api.patch(kind, namespace, name, body)
         if self._cache.holds(kind):
-            self._cache.upsert(kind, obj)
+            self._cache.wrote(kind, obj)
         return obj
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> None:
@@ -283,38 +370,3 @@ class CachedKube:
         await self._api.delete(kind, namespace, name)
         if self._cache.holds(kind):
             self._cache.mark_deleting(kind, namespace, name)
-
-
-class CountingKube:
-    """One reconcile's view of a Kube: passes every call on, counts its creates and deletes.
-
-    Per reconcile, not shared: with several workers, a shared counter would move with the
-    other workers' writes too.
-    """
-
-    def __init__(self, kube: Kube) -> None:
-        self._kube = kube
-        self.creates_and_deletes = 0
-
-    async def list(self, kind: Kind, namespace: str, selector: str) -> list[Obj]:
-        """Objects of a kind in a namespace matching a label selector."""
-        return await self._kube.list(kind, namespace, selector)
-
-    async def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
-        """One object, or None when it does not exist."""
-        return await self._kube.get(kind, namespace, name)
-
-    async def create(self, kind: Kind, namespace: str, body: Obj) -> Obj:
-        """Create an object; raise AlreadyExists on 409."""
-        obj = await self._kube.create(kind, namespace, body)
-        self.creates_and_deletes += 1
-        return obj
-
-    async def patch(self, kind: Kind, namespace: str, name: str, body: Obj) -> Obj:
-        """JSON merge-patch an object."""
-        return await self._kube.patch(kind, namespace, name, body)
-
-    async def delete(self, kind: Kind, namespace: str, name: str) -> None:
-        """Delete an object in the background; a missing object is not an error."""
-        await self._kube.delete(kind, namespace, name)
-        self.creates_and_deletes += 1

@@ -4,7 +4,8 @@ One reflector per child kind (RayCluster, RayJob, Service, Pod), each selecting 
 operator's label server-side, in the watched namespace or cluster-wide. Like client-go's:
 - the first LIST is paginated; `synced` is set once it is in the cache, and workers wait for
   every reflector's `synced` before the first reconcile (so a restart starts from a full cache);
-- the WATCH resumes from the last resourceVersion (bookmarks keep it fresh) and is renewed
+- the WATCH resumes from the last resourceVersion, saved at every event and bookmark (so a
+  stream that breaks mid-way resumes where it broke, not where it began), and is renewed
   every 5-10 minutes, when the server ends it;
 - a 410 Gone relists and diffs the new list against the cache: objects that vanished while
   no watch ran are reported as deleted (client-go's DeletedFinalStateUnknown), so no owner
@@ -93,7 +94,7 @@ class Reflector:
                 if self.resource_version is None:
                     self.resource_version = await self._relist()
                     self.synced.set()
-                self.resource_version = await self._watch(self.resource_version)
+                await self._watch(self.resource_version)
                 delay = 0.0
             except Gone:
                 log.info("%r: resourceVersion expired; relisting", self)
@@ -106,6 +107,7 @@ class Reflector:
                             str(exc)[:300], delay)  # fmt: skip
 
     async def _relist(self) -> str:
+        since = self.cache.writes  # what we write from here on may be missing from the LIST
         items: list[Obj] = []
         cont: str | None = None
         while True:
@@ -117,11 +119,11 @@ class Reflector:
             if not cont:
                 break
         self.lists += 1
-        for obj in self.cache.replace(self.kind, items, self.namespace):
+        for obj in self.cache.replace(self.kind, items, self.namespace, since):
             self.on_change(obj)
         return str(meta.get("resourceVersion") or "")
 
-    async def _watch(self, rv: str) -> str:
+    async def _watch(self, rv: str) -> None:
         self.watches += 1
         timeout = random.randint(*self.watch_seconds)
         async for event in self.api.watch(self.kind, self.namespace, self.selector, rv, timeout):
@@ -130,14 +132,14 @@ class Reflector:
                 if obj.get("code") == 410:
                     raise Gone(obj.get("message"))
                 raise ApiException(status=obj.get("code") or 0, reason=obj.get("message"))
-            rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-            if kind == "BOOKMARK":
-                continue
-            self.events += 1
-            if kind == "DELETED":
-                gone = self.cache.remove(self.kind, obj)
-                if gone is not None:
-                    self.on_change(gone)
-            elif self.cache.upsert(self.kind, obj):
-                self.on_change(obj)
-        return rv
+            if kind != "BOOKMARK":
+                self.events += 1
+                if kind == "DELETED":
+                    gone = self.cache.remove(self.kind, obj)
+                    if gone is not None:
+                        self.on_change(gone)
+                elif self.cache.upsert(self.kind, obj):
+                    self.on_change(obj)
+            # Saved per event, not when the stream ends: a stream that breaks resumes here.
+            at = (obj.get("metadata") or {}).get("resourceVersion")
+            self.resource_version = str(at) if at else self.resource_version

@@ -15,13 +15,19 @@ echo of it is no news to the cache). Status changes go to the background status 
 After each reconcile the key is scheduled again only when time matters: the /health cadence
 while Launching or Serving, the end of a relaunch backoff, and a rare safety resync. A
 resource at rest costs no API request.
+
+Identity is the uid, not the name. An owner event wakes its key when the owner's uid,
+generation or deletion differs from what was last woken for or reconciled: never by the
+order of resourceVersions, which are opaque (a status patch's answer may carry a user's edit
+before kopf's event for it does). kopf reports no deletion it missed during a 410, so a
+reconcile about to create asks the API server once whether its owner still exists, unless a
+kopf event about it woke this very reconcile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 from collections import Counter
@@ -36,7 +42,6 @@ from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import (
     MANAGED_SELECTOR,
     CachedKube,
-    CountingKube,
     Obj,
     ObjectCache,
     json_copy,
@@ -54,7 +59,8 @@ from vllm_dp_operator.controller.kube import (
     Kube,
     NamespaceTerminating,
 )
-from vllm_dp_operator.controller.status_writer import StatusWriter
+from vllm_dp_operator.controller.reconcile_view import CountingKube
+from vllm_dp_operator.controller.status_writer import StatusWriter, api_message
 from vllm_dp_operator.controller.workqueue import ShutDown, WorkQueue
 from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
@@ -98,13 +104,13 @@ def next_wake(cfg: Config, outcome: Outcome) -> float:
     return min(delays)
 
 
-def _api_message(exc: ApiException) -> str:
-    """The message of an API error's Status body, else its reason."""
-    try:
-        message = json.loads(exc.body or "{}").get("message")
-    except (TypeError, ValueError, AttributeError):
-        message = None
-    return str(message or exc.reason)
+class OwnerGone(Exception):
+    """The resource a reconcile was about to create children for no longer exists."""
+
+
+def _mark(meta: Obj) -> tuple[str, object, object]:
+    """What makes an owner event news: its uid, its generation, its deletion."""
+    return (str(meta.get("uid") or ""), meta.get("generation"), meta.get("deletionTimestamp"))
 
 
 def _event_target(owner: Obj) -> Obj:
@@ -143,8 +149,12 @@ class Controller:
                                    gate=self._quiet)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        #: Resources not reconciled yet since they appeared (or since the operator started).
+        #: Resources not tried yet since they appeared (or since the operator started).
         self._new: set[Key] = set()
+        #: Per key, the owner's (uid, generation, deletion) last woken for or reconciled.
+        self._marks: dict[Key, tuple[str, object, object]] = {}
+        #: Keys a kopf event woke since their last reconcile: their owner surely exists.
+        self._told: set[Key] = set()
         self._no_new = asyncio.Event()
         self._no_new.set()
         #: Counters for the liveness probe, logs and tests.
@@ -232,7 +242,8 @@ class Controller:
     def resource_states(self) -> list[tuple[Key, dict[str, Any]]]:
         """Every resource's status as the next reconcile will read it (pending changes laid
         over), for the metrics read at scrape time."""
-        return [(key, self.status.effective(key, obj.get("status") or {}))
+        return [(key, self.status.effective(key, obj["metadata"].get("uid") or "",
+                                            obj.get("status") or {}))
                 for key, obj in self.cache.items(VDP)]  # fmt: skip
 
     # ------------------------------------------------------------------ events
@@ -242,26 +253,23 @@ class Controller:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace") or "", meta.get("name") or "")
         if event_type == "DELETED":
-            self.cache.remove(VDP, body)
-            self.queue.drop(key)
-            self._settled(key)
+            self._forget(key, meta.get("uid") or None)
             return
-        old = self.cache.peek(VDP, *key)
-        old_meta = dict(old["metadata"]) if old is not None else None
-        if not self.cache.upsert(VDP, body):
-            return  # older than what a status patch already told us
-        if old_meta is None:
+        # Cached unless a status patch's answer already holds this or a newer version; either
+        # way the cache's copy is at least as new as this event.
+        self.cache.upsert(VDP, body)
+        mark, seen = _mark(meta), self._marks.get(key)
+        if mark == seen:
+            return  # our own status patches echo back here: those alone wake nothing
+        self._told.add(key)  # the reconcile this wakes knows its owner exists
+        fresh = seen is None or seen[0] != mark[0]
+        if fresh:
+            self.status.forget(key)  # a new uid: what was pending was for the old one
             self._new.add(key)
             self._no_new.clear()
-        # Our own status patches echo back here: those alone wake nothing.
-        if (
-            old_meta is None
-            or old_meta.get("generation") != meta.get("generation")
-            or old_meta.get("uid") != meta.get("uid")
-            or old_meta.get("deletionTimestamp") != meta.get("deletionTimestamp")
-        ):
-            self.wakes["owner"] += 1
-            self.queue.add(key, urgent=old_meta is None)
+        self._marks[key] = mark
+        self.wakes["owner"] += 1
+        self.queue.add(key, urgent=fresh)
 
     def _child_changed(self, kind: Kind, obj: Obj) -> None:
         key = owner_key(obj)
@@ -296,7 +304,7 @@ class Controller:
                 self.wakes["retry"] += 1
                 delay = self.queue.add_rate_limited(key)
                 log.warning("Reconcile of %s/%s failed: HTTP %s %s; retrying in %.1fs", *key,
-                            exc.status, _api_message(exc), delay)  # fmt: skip
+                            exc.status, api_message(exc), delay)  # fmt: skip
             except Exception:
                 self.failures += 1
                 self.wakes["retry"] += 1
@@ -305,6 +313,9 @@ class Controller:
             else:
                 self.queue.forget(key)
             finally:
+                # Settled after its first try, failed or not: a resource whose reconcile keeps
+                # failing must not hold every other resource's status and Events back.
+                self._settled(key)
                 self.queue.done(key)
                 if result is not None:
                     self.metrics.reconciled(result, asyncio.get_running_loop().time() - started)
@@ -319,18 +330,27 @@ class Controller:
             self._settled(key)
             return None
         owner = json_copy(owner)
-        current = self.status.effective(key, owner.get("status") or {})
+        uid = owner["metadata"].get("uid") or ""
+        self._marks[key] = _mark(owner["metadata"])
+        current = self.status.effective(key, uid, owner.get("status") or {})
         owner["status"] = current
-        kube = CountingKube(self.kube)
+        told = key in self._told
+        self._told.discard(key)
+        kube = CountingKube(self.kube, None if told else lambda: self._owner_exists(key, uid))
         now = self.clock()
-        outcome = await reconcile(Resource.from_body(owner), kube, self.probe, self.ray_jobs,
-                                  self.cfg, now)  # fmt: skip
+        try:
+            outcome = await reconcile(Resource.from_body(owner), kube, self.probe,
+                                      self.ray_jobs, self.cfg, now)  # fmt: skip
+        except OwnerGone:
+            log.info("%s/%s (uid %s) was deleted while unwatched; forgetting it", *key, uid)
+            self._gone(key, uid)
+            return None
         self.reconciles += 1
         self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
         self._settled(key)
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
         if changes:
-            self.status.submit(key, changes)
+            self.status.submit(key, uid, changes)
         target = _event_target(owner)
         for event in outcome.events:
             self.post_event(target, event)
@@ -342,10 +362,27 @@ class Controller:
         self.queue.add_after(key, next_wake(self.cfg, outcome))
         return outcome
 
-    def _gone(self, key: Key) -> None:
-        # A status patch answered 404: the resource was deleted without a DELETED event
-        # reaching us (kopf relists after a 410 without reporting deletions). Forget it; the
-        # garbage collector takes whatever it owned.
-        self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1]}})
+    async def _owner_exists(self, key: Key, uid: str) -> None:
+        # Before a create: children made for a deleted owner would carry a dead owner
+        # reference. Creates are rare (a new resource, a launch), so this GET costs little.
+        found = await self.api.get(VDP, *key)
+        if found is None or (found.get("metadata") or {}).get("uid") != uid:
+            raise OwnerGone(f"{key[0]}/{key[1]}")
+
+    def _gone(self, key: Key, uid: str) -> None:
+        # A status patch answered 404, or a create found the owner gone: it was deleted
+        # without a DELETED event reaching us (kopf relists after a 410 without reporting
+        # deletions). Forget that uid; the garbage collector takes whatever it owned.
+        self._forget(key, uid)
+
+    def _forget(self, key: Key, uid: str | None) -> None:
+        """Drop a deleted owner (this uid, or whichever when None) and all that is kept on it."""
+        cached = self.cache.peek(VDP, *key)
+        self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1], "uid": uid}})
+        self.status.forget(key, uid)
+        if cached is not None and uid and cached["metadata"].get("uid") != uid:
+            return  # another resource of the same name lives on in the cache
         self.queue.drop(key)
+        self._marks.pop(key, None)
+        self._told.discard(key)
         self._settled(key)

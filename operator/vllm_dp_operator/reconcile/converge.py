@@ -1,4 +1,9 @@
-"""The one level-triggered reconcile: observe children, converge them, compute status."""
+"""The one level-triggered reconcile: observe children, converge them, compute status.
+
+Children are the resource's by their labels and by the uid in their controller owner
+reference: one that names another uid (left by a deleted resource of the same name, for the
+garbage collector) is not adopted, not counted, and never changed or deleted here.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config
+from vllm_dp_operator.controller.cache import controller_uid
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, AlreadyExists, Kube
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
 from vllm_dp_operator.engines.probe import HealthProbe
@@ -46,18 +52,25 @@ def _label(obj: dict[str, Any], key: str) -> str | None:
     return labels.get(key)
 
 
+def _ours(objs: list[dict[str, Any]], uid: str | None) -> list[dict[str, Any]]:
+    """The objects whose controller owner reference, if any, names this uid."""
+    return [o for o in objs if controller_uid(o) in (None, uid)]
+
+
 async def _create(kube: Kube, kind: Any, body: dict[str, Any]) -> None:
     # Already there means an earlier, interrupted reconcile made it: converge, don't duplicate.
     with contextlib.suppress(AlreadyExists):
         await kube.create(kind, body["metadata"]["namespace"], body)
 
 
-async def _ensure_service(kube: Kube, desired: dict[str, Any]) -> None:
+async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None:
     meta = desired["metadata"]
     current = await kube.get(SERVICE, meta["namespace"], meta["name"])
     if current is None:
         await _create(kube, SERVICE, desired)
         return
+    if not _ours([current], uid):
+        return  # a deleted namesake's, until the garbage collector takes it
     spec = current.get("spec") or {}
     ports = [(p.get("port"), p.get("targetPort")) for p in spec.get("ports") or []]
     want = desired["spec"]
@@ -123,9 +136,10 @@ async def _drop_jobs_without_pods(
 
 async def _provisioning(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, plan: Plan,
-    cluster_name: str, detail: str, st: StatusDoc,
+    cluster_name: str, cluster_uid: str | None, detail: str, st: StatusDoc,
 ) -> Outcome:  # fmt: skip
-    pods = await kube.list(POD, res.namespace, f"{c.LABEL_RAY_CLUSTER}={cluster_name}")
+    pods = _ours(await kube.list(POD, res.namespace, f"{c.LABEL_RAY_CLUSTER}={cluster_name}"),
+                 cluster_uid)  # fmt: skip
     asks = PodAsks(gpus=plan.gpus_per_pod, gpu_resource=spec.gpu.resource_name,
                    cpu=spec.resources.cpu, head_cpu=plan.head_cpu,
                    memory=spec.resources.memory, head_memory=plan.head_memory)  # fmt: skip
@@ -167,9 +181,11 @@ async def reconcile(
     )
     ns = res.namespace
     engine, head_job = c.COMPONENT_ENGINE, c.COMPONENT_HEAD_JOB
-    clusters = await kube.list(RAYCLUSTER, ns, names.instance_selector(res.name, engine))
-    jobs = await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job))
-    await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner))
+    clusters = _ours(await kube.list(RAYCLUSTER, ns, names.instance_selector(res.name, engine)),
+                     res.uid)  # fmt: skip
+    jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
+                 res.uid)  # fmt: skip
+    await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner), res.uid)
     cluster = await _ensure_cluster(kube, desired, clusters, st)
 
     # Attempts count every head job seen, pruned or terminating ones too: names never repeat.
@@ -184,13 +200,16 @@ async def reconcile(
         return st.outcome()
 
     if cluster is None:
-        return await _provisioning(kube, res, spec, plan, cluster_name, "just created", st)
+        return await _provisioning(kube, res, spec, plan, cluster_name, None, "just created", st)
+    cluster_uid = cluster["metadata"].get("uid")
     readiness = cluster_readiness(cluster, plan.worker_pods)
     if not readiness.ready:
-        return await _provisioning(kube, res, spec, plan, cluster_name, readiness.message, st)
+        return await _provisioning(kube, res, spec, plan, cluster_name, cluster_uid,
+                                   readiness.message, st)  # fmt: skip
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
-    head_pod = head_pod_of(await kube.list(POD, ns, names.head_pod_selector(cluster_name)))
+    head_pod = head_pod_of(_ours(await kube.list(POD, ns, names.head_pod_selector(cluster_name)),
+                                 cluster_uid))  # fmt: skip
     live.sort(key=_attempt)
     flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st)
     await flow.converge(live)
