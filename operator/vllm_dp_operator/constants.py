@@ -16,6 +16,8 @@ RAY_VERSION_API: Final = "v1"
 RAY_VERSION: Final = "2.60.0"
 
 DEFAULT_SERVING_PORT: Final = 8000
+# The cluster DNS domain a kubelet's --cluster-domain sets on nearly every cluster.
+DEFAULT_CLUSTER_DOMAIN: Final = "cluster.local"
 DEFAULT_SHM_SIZE: Final = "16Gi"
 RAY_GCS_PORT: Final = 6379
 RAY_DASHBOARD_PORT: Final = 8265
