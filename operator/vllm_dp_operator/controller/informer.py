@@ -9,7 +9,10 @@ operator's label server-side, in the watched namespace or cluster-wide. Like cli
 - a 410 Gone relists and diffs the new list against the cache: objects that vanished while
   no watch ran are reported as deleted (client-go's DeletedFinalStateUnknown), so no owner
   misses a deletion;
-- network errors retry the watch with a backoff capped at RETRY_CAP_SECONDS.
+- network errors retry the watch with a backoff capped at RETRY_CAP_SECONDS;
+- a kind not served (404) or not readable (403) is retried the same way, by a LIST, whose
+  success proves the cause gone; each cause is logged once, not at every retry, and kept in
+  `problem` for readiness, metrics and the resources' conditions (`watch_health.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -25,6 +29,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from vllm_dp_operator.controller.cache import Obj, ObjectCache
 from vllm_dp_operator.controller.kube import Kind
+from vllm_dp_operator.controller.watch_health import WatchProblem, diagnose
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class Reflector:
         self, api: WatchApi, cache: ObjectCache, kind: Kind, namespace: str | None,
         selector: str, on_change: Callable[[Obj], None], page_size: int = 500,
         watch_seconds: tuple[int, int] = (300, 600),
+        on_health: Callable[[], None] = lambda: None,
     ) -> None:  # fmt: skip
         self.api, self.cache, self.kind = api, cache, kind
         self.namespace, self.selector = namespace, selector
@@ -76,6 +82,13 @@ class Reflector:
         self.lists = 0
         self.watches = 0
         self.events = 0
+        #: Why the latest attempt failed; None once a LIST succeeded after it.
+        self.problem: WatchProblem | None = None
+        #: Failed attempts by reason, for the metrics.
+        self.failures: Counter[str] = Counter()
+        #: Called when `synced` is first set or `problem` changes its cause.
+        self.on_health = on_health
+        self._events_at_problem = 0
 
     def __repr__(self) -> str:
         return f"Reflector({self.kind.plural}, {self.namespace or 'all namespaces'})"
@@ -89,10 +102,11 @@ class Reflector:
         while True:
             if delay:
                 await asyncio.sleep(delay)
+            verb = "list" if self.resource_version is None else "watch"
             try:
                 if self.resource_version is None:
                     self.resource_version = await self._relist()
-                    self.synced.set()
+                    self._listed()
                 self.resource_version = await self._watch(self.resource_version)
                 delay = 0.0
             except Gone:
@@ -102,8 +116,30 @@ class Reflector:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     self.resource_version = None
                 delay = min(max(delay * 2, 0.5), RETRY_CAP_SECONDS)
-                log.warning("%r: %s: %s; retrying in %.1fs", self, type(exc).__name__,
-                            str(exc)[:300], delay)  # fmt: skip
+                self._failed(diagnose(self.kind, verb, self.namespace, exc))
+
+    def _listed(self) -> None:
+        if self.problem is not None:
+            log.info("%r: listed again; the cause is gone (%s)", self, self.problem.message)
+        self.problem = None
+        self.synced.set()
+        self.on_health()
+
+    def _failed(self, problem: WatchProblem) -> None:
+        self.failures[problem.reason] += 1
+        if problem.blocks:
+            # The next attempt is a LIST: its success proves the cause gone, and it reports
+            # whatever vanished meanwhile (a deleted CRD takes its objects with it).
+            self.resource_version = None
+        # Once per cause, not at every retry: a missing kind would log a line every 4 s for
+        # ever. The same cause is told again only after the watch delivered events between.
+        again = self.problem is not None and self.problem.cause == problem.cause
+        if again and self.events == self._events_at_problem:
+            return
+        self.problem, self._events_at_problem = problem, self.events
+        log.warning("%r: %s; retrying every %.0fs at most (logged again when the cause changes)",
+                    self, problem.message, RETRY_CAP_SECONDS)  # fmt: skip
+        self.on_health()
 
     async def _relist(self) -> str:
         items: list[Obj] = []
