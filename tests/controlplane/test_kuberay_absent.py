@@ -83,7 +83,8 @@ def operator(testbed: Any, testbed_namespace: str, tmp_path: Path,
 
 
 def readiness(op: OperatorProcess) -> dict[str, Any]:
-    """Controller.ready() as the operator's /healthz answer reports it."""
+    """Controller.ready() as the operator's /healthz answer reports it (kopf keeps a probe's
+    answer for 10 s, so a caller waits for a change rather than reading it once)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{op.port}/healthz", timeout=5) as resp:
         health: dict[str, Any] = json.loads(resp.read())["controller"]
     return {"ready": health["ready"], "readiness": health["readiness"]}
@@ -122,18 +123,22 @@ def test_kuberay_absent_is_said_on_the_resource_then_it_converges_with_no_restar
         took = time.monotonic() - started
         assert cond["reason"] == "KindNotServed", cond
         assert MISSING in cond["message"] and "rayjobs.ray.io/v1" in cond["message"], cond
-        warnings = [e for e in items(testbed, ns, "events")
+        def warnings() -> list[str]:
+            return [e["reason"] for e in items(testbed, ns, "events")
                     if e["involvedObject"].get("name") == name and e["type"] == "Warning"]
-        assert [e["reason"] for e in warnings] == ["KindNotServed"], warnings
+
+        testbed.wait_until("the Warning", warnings, timeout=10)
         assert not items(testbed, ns, "services"), "nothing decided while a kind is missing"
-        ready = readiness(operator)
-        assert ready["ready"] is False and MISSING in ready["readiness"], ready
+        ready = testbed.wait_until("readiness to name the missing kind", lambda: (
+            r := readiness(operator))["ready"] is False and MISSING in r["readiness"] and r,
+            timeout=15)  # fmt: skip
         gauges = watch_ready(operator)
         assert gauges["rayclusters.ray.io/v1"] == 0 and gauges["rayjobs.ray.io/v1"] == 0
         assert gauges["pods/v1"] == 1 and gauges["services/v1"] == 1, gauges
         time.sleep(5)  # the reflectors retry every 4 s at most: some retries, not logged
         said = operator.log_tail(chars=10**7).count(MISSING)
         assert said == 1, f"the cause logged {said} times:\n{operator.log_tail()}"
+        assert warnings() == ["KindNotServed"], "one Warning per cause, not per retry"
         print(f"condition after {took:.1f}s: {cond['message']}\nreadiness: {ready}\n"
               f"vllmdp_watch_ready: {gauges}")
 
@@ -144,8 +149,8 @@ def test_kuberay_absent_is_said_on_the_resource_then_it_converges_with_no_restar
         back = condition(testbed, ns, name)
         assert back is not None and back["status"] == "True", back
         assert st["rayCluster"] and items(testbed, ns, "rayjobs")
-        assert readiness(operator) == {"ready": True,
-                                       "readiness": "synced; every watched kind is served"}
+        testbed.wait_until("readiness back", lambda: readiness(operator) == {
+            "ready": True, "readiness": "synced; every watched kind is served"}, timeout=15)
         assert set(watch_ready(operator).values()) == {1.0}
         assert operator.proc is not None and operator.proc.poll() is None
         assert operator.proc.pid == pid, "no restart"

@@ -164,6 +164,11 @@ async def test_kuberay_missing_at_start_is_said_everywhere_then_recovers(
     assert len(warned) == 1, [r.getMessage() for r in warned]
     assert len(bed.events) == 1, "one Warning per cause, not per retry"
 
+    bed.api.refused = {RAYCLUSTER: 404}  # one cause gone: said, with no new Warning
+    await bed.until("the message without rayjobs",
+                    lambda: "rayjobs" not in (bed.condition() or {}).get("message", "rayjobs"))
+    assert len(bed.events) == 1 and not bed.api.named(SERVICE)
+
     bed.api.refused = {}  # KubeRay installed: no restart
     await bed.until("the children", lambda: bed.api.named(RAYCLUSTER) and bed.api.named(SERVICE))
     await bed.until("the condition back to True",

@@ -413,7 +413,8 @@ class Controller:
         changes = {k: v for k, v in doc.items() if current.get(k) != v}
         if changes:
             self.status.submit(key, changes)
-        if current.get("message") != doc["message"]:  # one Warning per cause, not per wake
+        # One Warning per new cause: not per wake, nor when one of several causes goes away.
+        if any(p.message not in (current.get("message") or "") for p in blockers):
             self.post_event(_event_target(owner),
                             Event(c.EVENT_WARNING, blockers[0].reason, doc["message"]))
         self._settled(key)
