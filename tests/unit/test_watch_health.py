@@ -124,6 +124,7 @@ class Bed:
 @pytest.fixture(autouse=True)
 def short_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(informer, "RETRY_CAP_SECONDS", 0.2)
+    monkeypatch.setattr(informer, "REFUSED_AFTER_SECONDS", 0.3)
 
 
 @pytest.fixture
@@ -229,6 +230,26 @@ async def test_a_slow_first_list_says_nothing_on_resources(bed: Bed) -> None:
     gate.set()
     await bed.until("the first reconcile", lambda: bed.status().get("phase"))
     assert bed.condition() is None
+
+
+async def test_a_short_404_as_an_api_server_starts_tells_no_resource(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(informer, "REFUSED_AFTER_SECONDS", 1.5)
+    bed.ctl.start()
+    bed.add_owner()
+    await bed.until("Provisioning", lambda: bed.status().get("phase") == c.PHASE_PROVISIONING)
+    bed.api.refused = {RAYCLUSTER: 404}  # restarted, its CRDs not loaded yet
+    bed.api.end_watches()
+    await bed.until("a refused LIST", lambda: bed.api.calls["list rayclusters"] >= 3)
+    (clusters,) = [r for r in bed.ctl.reflectors if r.kind == RAYCLUSTER]
+    assert clusters.problem is not None and clusters.refused is None
+    assert bed.ctl.ready()[0], "a blip shorter than REFUSED_AFTER_SECONDS is no refusal"
+    bed.api.refused = {}
+    await bed.until("listed again", lambda: clusters.problem is None)
+    assert bed.condition() is None
+    assert not [e for e in bed.events if e.type == c.EVENT_WARNING]
+    assert bed.watch_ready("rayclusters.ray.io/v1") == 1
 
 
 def test_diagnose_names_the_kind_and_the_cause() -> None:

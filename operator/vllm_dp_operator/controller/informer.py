@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 #: 30 s cap, an API server back after a 10 s outage went unwatched for 16 s more (the
 #: reliability tier's restart test), and so did every change it made meanwhile.
 RETRY_CAP_SECONDS = 4.0
+#: How long a 404 or 403 must last before it counts as the cluster's state (`refused`): an API
+#: server that has just started answers 404 for custom resources until it has loaded their
+#: CRDs, and a restart of it must not tell every resource that KubeRay is missing.
+REFUSED_AFTER_SECONDS = 10.0
 
 
 class WatchApi(Protocol):
@@ -89,6 +94,8 @@ class Reflector:
         #: Called when `synced` is first set or `problem` changes its cause.
         self.on_health = on_health
         self._events_at_problem = 0
+        self._problem_since = 0.0
+        self._refusal_told = False
 
     def __repr__(self) -> str:
         return f"Reflector({self.kind.plural}, {self.namespace or 'all namespaces'})"
@@ -118,6 +125,16 @@ class Reflector:
                 delay = min(max(delay * 2, 0.5), RETRY_CAP_SECONDS)
                 self._failed(diagnose(self.kind, verb, self.namespace, exc))
 
+    @property
+    def refused(self) -> WatchProblem | None:
+        """The problem, when it is a 404 or 403 that has lasted REFUSED_AFTER_SECONDS."""
+        problem = self.problem
+        if problem is None or not problem.blocks:
+            return None
+        if time.monotonic() - self._problem_since < REFUSED_AFTER_SECONDS:
+            return None
+        return problem
+
     def _listed(self) -> None:
         if self.problem is not None:
             log.info("%r: listed again; the cause is gone (%s)", self, self.problem.message)
@@ -134,12 +151,15 @@ class Reflector:
         # Once per cause, not at every retry: a missing kind would log a line every 4 s for
         # ever. The same cause is told again only after the watch delivered events between.
         again = self.problem is not None and self.problem.cause == problem.cause
-        if again and self.events == self._events_at_problem:
-            return
-        self.problem, self._events_at_problem = problem, self.events
-        log.warning("%r: %s; retrying every %.0fs at most (logged again when the cause changes)",
-                    self, problem.message, RETRY_CAP_SECONDS)  # fmt: skip
-        self.on_health()
+        if not again or self.events != self._events_at_problem:
+            self.problem, self._events_at_problem = problem, self.events
+            self._problem_since, self._refusal_told = time.monotonic(), False
+            log.warning("%r: %s; retrying every %.0fs at most (logged again when the cause "
+                        "changes)", self, problem.message, RETRY_CAP_SECONDS)  # fmt: skip
+            self.on_health()
+        if not self._refusal_told and self.refused is not None:
+            self._refusal_told = True  # the retry that finds it lasting says so, once
+            self.on_health()
 
     async def _relist(self) -> str:
         items: list[Obj] = []

@@ -232,7 +232,7 @@ class Controller:
         return all(r.synced.is_set() for r in self.reflectors)
 
     def _blockers(self) -> list[WatchProblem]:
-        return [r.problem for r in self.reflectors if r.problem is not None and r.problem.blocks]
+        return [r.refused for r in self.reflectors if r.refused is not None]
 
     def ready(self) -> tuple[bool, str]:
         """Readiness: synced and every watched kind served; else False and why."""
@@ -249,7 +249,7 @@ class Controller:
     def watch_states(self) -> list[WatchState]:
         """Per child kind: listed and served now, and failed attempts by reason (metrics)."""
         return [WatchState(kind_name(r.kind),
-                           r.synced.is_set() and not (r.problem and r.problem.blocks),
+                           r.synced.is_set() and r.refused is None,
                            dict(r.failures)) for r in self.reflectors]  # fmt: skip
 
     def _watch_health_changed(self) -> None:
