@@ -54,9 +54,12 @@ class RefusingApi(FakeApi):
     def __init__(self) -> None:
         super().__init__()
         self.refused: dict[Kind, int] = {}
+        #: Refused for WATCH only (an RBAC role granting list but not watch).
+        self.refused_watch: dict[Kind, int] = {}
 
     def _refuse(self, kind: Kind, verb: str) -> None:
-        status = self.refused.get(kind)
+        status = self.refused.get(kind) or (self.refused_watch.get(kind) if verb == "watch"
+                                            else None)  # fmt: skip
         if status == 403:
             raise forbidden(verb, kind.plural)
         if status is not None:
@@ -125,6 +128,7 @@ class Bed:
 def short_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(informer, "RETRY_CAP_SECONDS", 0.2)
     monkeypatch.setattr(informer, "REFUSED_AFTER_SECONDS", 0.3)
+    monkeypatch.setattr(informer, "WATCH_WORKS_SECONDS", 0.3)
 
 
 @pytest.fixture
@@ -191,6 +195,28 @@ async def test_rbac_missing_names_the_verb_and_the_resource(bed: Bed) -> None:
     assert 'cannot list resource "pods"' in cond["message"]  # the API server's own words
     assert not bed.ctl.ready()[0]
     assert bed.watch_ready("pods/v1") == 0
+
+
+async def test_watch_refused_but_list_allowed_is_said_and_recovers_by_watching(
+    bed: Bed, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="vllm_dp_operator")
+    bed.api.refused_watch = {RAYJOB: 403}
+    bed.ctl.start()
+    bed.add_owner()
+    await bed.until("the condition", lambda: bed.condition())
+    cond = bed.condition()
+    assert cond is not None and cond["reason"] == c.REASON_WATCH_FORBIDDEN
+    assert "RBAC forbids the operator to watch rayjobs.ray.io" in cond["message"]
+    lists = bed.api.calls["list rayjobs"]
+    await asyncio.sleep(1.0)  # retries (0.2 s apart) retry the watch, not the list
+    assert bed.api.calls["list rayjobs"] == lists
+    assert sum("forbids" in r.getMessage() for r in caplog.records) == 1
+
+    bed.api.refused_watch = {}
+    await bed.until("watched again", lambda: (bed.condition() or {}).get("status") == "True")
+    assert bed.ctl.ready()[0] and bed.api.named(RAYCLUSTER)
+    assert any("watching again" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_kind_removed_while_running_blocks_then_recovers(bed: Bed) -> None:

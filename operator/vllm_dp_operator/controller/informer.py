@@ -10,9 +10,9 @@ operator's label server-side, in the watched namespace or cluster-wide. Like cli
   no watch ran are reported as deleted (client-go's DeletedFinalStateUnknown), so no owner
   misses a deletion;
 - network errors retry the watch with a backoff capped at RETRY_CAP_SECONDS;
-- a kind not served (404) or not readable (403) is retried the same way, by a LIST, whose
-  success proves the cause gone; each cause is logged once, not at every retry, and kept in
-  `problem` for readiness, metrics and the resources' conditions (`watch_health.py`).
+- a kind not served (404) or not readable (403) is retried the same way; each cause is logged
+  once, not at every retry, and kept in `problem` for readiness, metrics and the resources'
+  conditions (`watch_health.py`) until a LIST succeeds or a WATCH stays open.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ RETRY_CAP_SECONDS = 4.0
 #: server that has just started answers 404 for custom resources until it has loaded their
 #: CRDs, and a restart of it must not tell every resource that KubeRay is missing.
 REFUSED_AFTER_SECONDS = 10.0
+#: A watch open this long without an error is working: its problem is gone. Longer than the
+#: watch's connect timeout (10 s), so a connection still being attempted is no proof.
+WATCH_WORKS_SECONDS = 15.0
 
 
 class WatchApi(Protocol):
@@ -91,9 +94,8 @@ class Reflector:
         self.problem: WatchProblem | None = None
         #: Failed attempts by reason, for the metrics.
         self.failures: Counter[str] = Counter()
-        #: Called when `synced` is first set or `problem` changes its cause.
+        #: Called after each LIST, when `problem` changes, and when a refusal starts to count.
         self.on_health = on_health
-        self._events_at_problem = 0
         self._problem_since = 0.0
         self._refusal_told = False
 
@@ -109,12 +111,13 @@ class Reflector:
         while True:
             if delay:
                 await asyncio.sleep(delay)
-            verb = "list" if self.resource_version is None else "watch"
+            verb = "list"  # what failed, for the diagnosis
             try:
                 if self.resource_version is None:
                     self.resource_version = await self._relist()
                     self._listed()
-                self.resource_version = await self._watch(self.resource_version)
+                verb = "watch"
+                self.resource_version = await self._watch_reporting(self.resource_version)
                 delay = 0.0
             except Gone:
                 log.info("%r: resourceVersion expired; relisting", self)
@@ -136,23 +139,42 @@ class Reflector:
         return problem
 
     def _listed(self) -> None:
-        if self.problem is not None:
-            log.info("%r: listed again; the cause is gone (%s)", self, self.problem.message)
-        self.problem = None
+        self._recovered("listed again")
         self.synced.set()
         self.on_health()
 
+    def _recovered(self, how: str) -> None:
+        if self.problem is not None:
+            log.info("%r: %s; the cause is gone (%s)", self, how, self.problem.message)
+            self.problem = None
+            self.on_health()
+
+    async def _watch_reporting(self, rv: str) -> str:
+        # The stream says nothing until an event or a bookmark (about a minute): a watch that
+        # has stayed open WATCH_WORKS_SECONDS is the proof that a watch's problem is gone.
+        task = asyncio.ensure_future(self._watch(rv))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_WORKS_SECONDS)
+            if not done:
+                self._recovered("watching again")
+            rv = await task
+        finally:
+            task.cancel()  # only when this coroutine is cancelled: the stream goes with it
+        self._recovered("watched")
+        return rv
+
     def _failed(self, problem: WatchProblem) -> None:
         self.failures[problem.reason] += 1
-        if problem.blocks:
-            # The next attempt is a LIST: its success proves the cause gone, and it reports
-            # whatever vanished meanwhile (a deleted CRD takes its objects with it).
+        if problem.not_served:
+            # The next attempt is a LIST: its success proves the kind served again, and it
+            # reports whatever vanished meanwhile (a deleted CRD takes its objects with it).
+            # A 403 retries what was refused: relisting after a refused watch would succeed
+            # and clear the problem each time, and the refusal would never count.
             self.resource_version = None
         # Once per cause, not at every retry: a missing kind would log a line every 4 s for
-        # ever. The same cause is told again only after the watch delivered events between.
-        again = self.problem is not None and self.problem.cause == problem.cause
-        if not again or self.events != self._events_at_problem:
-            self.problem, self._events_at_problem = problem, self.events
+        # ever. A cause is told again only when it came back after it was gone.
+        if self.problem is None or self.problem.cause != problem.cause:
+            self.problem = problem
             self._problem_since, self._refusal_told = time.monotonic(), False
             log.warning("%r: %s; retrying every %.0fs at most (logged again when the cause "
                         "changes)", self, problem.message, RETRY_CAP_SECONDS)  # fmt: skip

@@ -34,6 +34,11 @@ class WatchProblem:
     blocks: bool
 
     @property
+    def not_served(self) -> bool:
+        """A 404: the API server does not serve the kind at all."""
+        return self.reason == c.REASON_KIND_NOT_SERVED
+
+    @property
     def cause(self) -> str:
         """What a log line is about: the same cause is logged once, not at every retry."""
         return f"{self.reason}: {self.message}"
