@@ -123,6 +123,7 @@ def test_kuberay_absent_is_said_on_the_resource_then_it_converges_with_no_restar
         took = time.monotonic() - started
         assert cond["reason"] == "KindNotServed", cond
         assert MISSING in cond["message"] and "rayjobs.ray.io/v1" in cond["message"], cond
+
         def warnings() -> list[str]:
             return [e["reason"] for e in items(testbed, ns, "events")
                     if e["involvedObject"].get("name") == name and e["type"] == "Warning"]
