@@ -152,6 +152,8 @@ async def test_kuberay_missing_at_start_is_said_everywhere_then_recovers(
     assert (cond["status"], cond["reason"]) == ("False", c.REASON_KIND_NOT_SERVED)
     assert NOT_SERVED in cond["message"] and "rayjobs.ray.io/v1" in cond["message"]
     assert cond["message"] == bed.status()["message"]
+    assert cond["message"].endswith("ray.io/v1? It retries by itself and reconciles as soon as "
+                                    "it can read every kind it manages.")  # fmt: skip
     assert [(e.type, e.reason) for e in bed.events] == [(c.EVENT_WARNING,
                                                          c.REASON_KIND_NOT_SERVED)]
     ready, why = bed.ctl.ready()

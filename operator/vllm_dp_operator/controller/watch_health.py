@@ -100,7 +100,8 @@ def diagnose(kind: Kind, verb: str, namespace: str | None, exc: BaseException) -
 def unserved_message(problems: Iterable[WatchProblem]) -> str:
     """What a resource is told while some child kind cannot be read."""
     said = "; ".join(p.message for p in problems)
-    return (f"The operator cannot serve this resource: {said}. It retries by itself and "
+    end = "" if said.endswith(("?", ".")) else "."
+    return (f"The operator cannot serve this resource: {said}{end} It retries by itself and "
             "reconciles as soon as it can read every kind it manages.")  # fmt: skip
 
 
