@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from vllm_dp_operator import constants
@@ -16,6 +17,21 @@ def _env_float(name: str, default: float) -> float:
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     return int(raw) if raw else default
+
+
+# A DNS subdomain: dot-separated labels of lowercase letters, digits and inner hyphens.
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def cluster_domain(raw: str | None) -> str:
+    """VLLMDP_CLUSTER_DOMAIN as a DNS name without its trailing dot; the default when unset."""
+    domain = (raw or "").strip().rstrip(".") or constants.DEFAULT_CLUSTER_DOMAIN
+    if len(domain) > 253 or not _DNS_SUBDOMAIN.match(domain):
+        raise ValueError(
+            f"VLLMDP_CLUSTER_DOMAIN={raw!r}: expected a DNS name of lowercase letters, digits, "
+            "'-' and '.', such as cluster.local (the kubelet's --cluster-domain)"
+        )
+    return domain
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,10 @@ class Config:
     #: VLLMDP_HEALTH_PROBE: how the operator reaches vLLM's /health and the Ray dashboard on
     #: the head pod: service-dns (in cluster), apiserver-proxy (outside), or off.
     health_probe: str = "service-dns"
+    #: VLLMDP_CLUSTER_DOMAIN: the cluster's DNS domain (the kubelet's --cluster-domain). The
+    #: service-dns probe calls <service>.<namespace>.svc.<domain>. as an absolute name, so no
+    #: lookup goes through the search path first.
+    cluster_domain: str = constants.DEFAULT_CLUSTER_DOMAIN
     #: VLLMDP_RESYNC_SECONDS: safety net: how often each resource is reconciled when no
     #: event and no probe woke it (children's changes wake it at once through the watches).
     resync_seconds: float = 600.0
@@ -90,6 +110,7 @@ class Config:
                 fs_group=int(os.environ.get("VLLMDP_ENGINE_FS_GROUP") or defaults.fs_group),
             ),
             health_probe=os.environ.get("VLLMDP_HEALTH_PROBE") or "service-dns",
+            cluster_domain=cluster_domain(os.environ.get("VLLMDP_CLUSTER_DOMAIN")),
             resync_seconds=_env_float("VLLMDP_RESYNC_SECONDS", 600.0),
             probe_launching_seconds=_env_float("VLLMDP_PROBE_LAUNCHING_SECONDS", 5.0),
             probe_serving_seconds=_env_float("VLLMDP_PROBE_SERVING_SECONDS", 30.0),

@@ -16,6 +16,8 @@ RAY_VERSION_API: Final = "v1"
 RAY_VERSION: Final = "2.60.0"
 
 DEFAULT_SERVING_PORT: Final = 8000
+# The cluster DNS domain a kubelet's --cluster-domain sets on nearly every cluster.
+DEFAULT_CLUSTER_DOMAIN: Final = "cluster.local"
 DEFAULT_SHM_SIZE: Final = "16Gi"
 RAY_GCS_PORT: Final = 6379
 RAY_DASHBOARD_PORT: Final = 8265
@@ -101,6 +103,9 @@ COND_HEAD_JOB_RUNNING: Final = "HeadJobRunning"
 COND_READY: Final = "Ready"
 # While Serving: whether every planned DP rank reports in vLLM's /metrics.
 COND_ENGINES_REPORTING: Final = "EnginesReporting"
+# Whether the operator can list and watch every child kind (False only while one is not
+# served, 404, or not readable, 403; present only on resources once told so).
+COND_CHILDREN_WATCHED: Final = "ChildrenWatched"
 
 # Condition and event reasons.
 REASON_VALID: Final = "Valid"
@@ -131,6 +136,9 @@ REASON_RANKS_REPORTING: Final = "AllRanksReporting"
 REASON_RANKS_MISSING: Final = "RanksNotReporting"
 REASON_METRICS_UNAVAILABLE: Final = "MetricsUnavailable"
 REASON_NOT_SERVING: Final = "NotServing"
+REASON_KIND_NOT_SERVED: Final = "KindNotServed"
+REASON_WATCH_FORBIDDEN: Final = "WatchForbidden"
+REASON_WATCHING: Final = "Watching"
 
 EVENT_NORMAL: Final = "Normal"
 EVENT_WARNING: Final = "Warning"

@@ -54,7 +54,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     )
     logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
     kube = await ApiKube.connect()
-    transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds)
+    transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds,
+                               CONFIG.cluster_domain)  # fmt: skip
     probe = TransportProbe(transport, CONFIG.engine_metrics_max_bytes)
     controller = Controller(kube, CONFIG, probe, DashboardJobs(transport),
                             namespace=CONFIG.watch_namespace or None)  # fmt: skip

@@ -17,7 +17,8 @@ ENV_NAMES = ["VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME", "VLLMDP_ENGINE_FS_GR
              "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS",
              "VLLMDP_PROBE_LAUNCHING_SECONDS", "VLLMDP_PROBE_SERVING_SECONDS",
              "VLLMDP_UNROUTE_AFTER_FAILURES", "VLLMDP_UNROUTE_AFTER_SECONDS",
-             "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS", "VLLMDP_WORKERS",
+             "VLLMDP_CLUSTER_DOMAIN", "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS",
+             "VLLMDP_WORKERS",
              "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACE",
              "VLLMDP_METRICS_PORT", "VLLMDP_ENGINE_METRICS_MAX_BYTES"]
 
@@ -152,6 +153,7 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert float(env["VLLMDP_HEALTH_TIMEOUT_SECONDS"]) == defaults.health_timeout_seconds
     assert int(env["VLLMDP_ENGINE_FS_GROUP"]) == defaults.render.fs_group
     assert float(env["VLLMDP_STOP_CONFIRM_SECONDS"]) == defaults.stop_confirm_seconds
+    assert env["VLLMDP_CLUSTER_DOMAIN"] == defaults.cluster_domain
 
 
 def test_operator_reads_the_rendered_environment(
@@ -164,6 +166,21 @@ def test_operator_reads_the_rendered_environment(
         monkeypatch.setenv(name, value)
     read = config.Config.from_env()
     assert read.engine_metrics_max_bytes == config.Config().engine_metrics_max_bytes == 4194304
+
+
+def test_cluster_domain_reaches_the_operator(
+    helm_bin: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = pytest.importorskip("vllm_dp_operator.config")
+    env = _env(_deployment(set_values=("clusterDomain=corp.example",)))
+    monkeypatch.setenv("VLLMDP_CLUSTER_DOMAIN", env["VLLMDP_CLUSTER_DOMAIN"])
+    assert config.Config.from_env().cluster_domain == "corp.example"
+
+
+@pytest.mark.parametrize("bad", ["Cluster.Local", "cluster.local.", "a..b"])
+def test_a_bad_cluster_domain_fails_the_install(helm_bin: str, bad: str) -> None:
+    with pytest.raises(AssertionError, match="clusterDomain"):
+        chartlib.render((), (f"clusterDomain={bad}",))
 
 
 def test_image_and_pull_settings(helm_bin: str) -> None:

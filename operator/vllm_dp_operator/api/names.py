@@ -54,8 +54,23 @@ def service(instance: str) -> str:
 
 
 def endpoint(instance: str, namespace: str, port: int) -> str:
-    """In-cluster base URL of the OpenAI-compatible API."""
+    """In-cluster base URL of the OpenAI-compatible API, as a user types it.
+
+    Short on purpose: it is text for people and for clients configured once, it holds in any
+    cluster whatever its domain, and a client pays the search-path lookups once per
+    connection. The operator's own probes, repeated every few seconds, use `service_fqdn`.
+    """
     return f"http://{service(instance)}.{namespace}.svc:{port}/v1"
+
+
+def service_fqdn(service_name: str, namespace: str, cluster_domain: str) -> str:
+    """A Service's absolute DNS name, trailing dot included: the resolver asks for it alone.
+
+    With the pod default `ndots:5`, a name of fewer dots is first tried under each search
+    domain (`<ns>.svc.<domain>`, `svc.<domain>`, `<domain>`, the node's), each a failed
+    lookup before the real one; an absolute name skips them all.
+    """
+    return f"{service_name}.{namespace}.svc.{cluster_domain}."
 
 
 def head_pod_selector(cluster: str) -> str:

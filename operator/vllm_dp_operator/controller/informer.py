@@ -10,7 +10,10 @@ operator's label server-side, in the watched namespace or cluster-wide. Like cli
 - a 410 Gone relists and diffs the new list against the cache: objects that vanished while
   no watch ran are reported as deleted (client-go's DeletedFinalStateUnknown), so no owner
   misses a deletion;
-- network errors retry the watch with a backoff capped at RETRY_CAP_SECONDS.
+- network errors retry the watch with a backoff capped at RETRY_CAP_SECONDS;
+- a kind not served (404) or not readable (403) is retried the same way; each cause is logged
+  once, not at every retry, and kept in `problem` for readiness, metrics and the resources'
+  conditions (`watch_health.py`) until a LIST succeeds or a WATCH stays open.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -26,6 +31,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from vllm_dp_operator.controller.cache import Obj, ObjectCache
 from vllm_dp_operator.controller.kube import Kind
+from vllm_dp_operator.controller.watch_health import WatchProblem, diagnose
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,13 @@ log = logging.getLogger(__name__)
 #: 30 s cap, an API server back after a 10 s outage went unwatched for 16 s more (the
 #: reliability tier's restart test), and so did every change it made meanwhile.
 RETRY_CAP_SECONDS = 4.0
+#: How long a 404 or 403 must last before it counts as the cluster's state (`refused`): an API
+#: server that has just started answers 404 for custom resources until it has loaded their
+#: CRDs, and a restart of it must not tell every resource that KubeRay is missing.
+REFUSED_AFTER_SECONDS = 10.0
+#: A watch open this long without an error is working: its problem is gone. Longer than the
+#: watch's connect timeout (10 s), so a connection still being attempted is no proof.
+WATCH_WORKS_SECONDS = 15.0
 
 
 class WatchApi(Protocol):
@@ -64,6 +77,7 @@ class Reflector:
         self, api: WatchApi, cache: ObjectCache, kind: Kind, namespace: str | None,
         selector: str, on_change: Callable[[Obj], None], page_size: int = 500,
         watch_seconds: tuple[int, int] = (300, 600),
+        on_health: Callable[[], None] = lambda: None,
     ) -> None:  # fmt: skip
         self.api, self.cache, self.kind = api, cache, kind
         self.namespace, self.selector = namespace, selector
@@ -77,6 +91,14 @@ class Reflector:
         self.lists = 0
         self.watches = 0
         self.events = 0
+        #: Why the latest attempt failed; None once a LIST succeeded after it.
+        self.problem: WatchProblem | None = None
+        #: Failed attempts by reason, for the metrics.
+        self.failures: Counter[str] = Counter()
+        #: Called after each LIST, when `problem` changes, and when a refusal starts to count.
+        self.on_health = on_health
+        self._problem_since = 0.0
+        self._refusal_told = False
 
     def __repr__(self) -> str:
         return f"Reflector({self.kind.plural}, {self.namespace or 'all namespaces'})"
@@ -90,11 +112,13 @@ class Reflector:
         while True:
             if delay:
                 await asyncio.sleep(delay)
+            verb = "list"  # what failed, for the diagnosis
             try:
                 if self.resource_version is None:
                     self.resource_version = await self._relist()
-                    self.synced.set()
-                await self._watch(self.resource_version)
+                    self._listed()
+                verb = "watch"
+                await self._watch_reporting(self.resource_version)
                 delay = 0.0
             except Gone:
                 log.info("%r: resourceVersion expired; relisting", self)
@@ -103,8 +127,61 @@ class Reflector:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     self.resource_version = None
                 delay = min(max(delay * 2, 0.5), RETRY_CAP_SECONDS)
-                log.warning("%r: %s: %s; retrying in %.1fs", self, type(exc).__name__,
-                            str(exc)[:300], delay)  # fmt: skip
+                self._failed(diagnose(self.kind, verb, self.namespace, exc))
+
+    @property
+    def refused(self) -> WatchProblem | None:
+        """The problem, when it is a 404 or 403 that has lasted REFUSED_AFTER_SECONDS."""
+        problem = self.problem
+        if problem is None or not problem.blocks:
+            return None
+        if time.monotonic() - self._problem_since < REFUSED_AFTER_SECONDS:
+            return None
+        return problem
+
+    def _listed(self) -> None:
+        self._recovered("listed again")
+        self.synced.set()
+        self.on_health()
+
+    def _recovered(self, how: str) -> None:
+        if self.problem is not None:
+            log.info("%r: %s; the cause is gone (%s)", self, how, self.problem.message)
+            self.problem = None
+            self.on_health()
+
+    async def _watch_reporting(self, rv: str) -> None:
+        # The stream says nothing until an event or a bookmark (about a minute): a watch that
+        # has stayed open WATCH_WORKS_SECONDS is the proof that a watch's problem is gone.
+        task = asyncio.ensure_future(self._watch(rv))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_WORKS_SECONDS)
+            if not done:
+                self._recovered("watching again")
+            await task  # it saves where it got to, event by event
+        finally:
+            task.cancel()  # only when this coroutine is cancelled: the stream goes with it
+        self._recovered("watched")
+
+    def _failed(self, problem: WatchProblem) -> None:
+        self.failures[problem.reason] += 1
+        if problem.not_served:
+            # The next attempt is a LIST: its success proves the kind served again, and it
+            # reports whatever vanished meanwhile (a deleted CRD takes its objects with it).
+            # A 403 retries what was refused: relisting after a refused watch would succeed
+            # and clear the problem each time, and the refusal would never count.
+            self.resource_version = None
+        # Once per cause, not at every retry: a missing kind would log a line every 4 s for
+        # ever. A cause is told again only when it came back after it was gone.
+        if self.problem is None or self.problem.cause != problem.cause:
+            self.problem = problem
+            self._problem_since, self._refusal_told = time.monotonic(), False
+            log.warning("%r: %s; retrying every %.0fs at most (logged again when the cause "
+                        "changes)", self, problem.message, RETRY_CAP_SECONDS)  # fmt: skip
+            self.on_health()
+        if not self._refusal_told and self.refused is not None:
+            self._refusal_told = True  # the retry that finds it lasting says so, once
+            self.on_health()
 
     async def _relist(self) -> str:
         since = self.cache.writes  # what we write from here on may be missing from the LIST

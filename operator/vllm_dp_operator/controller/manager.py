@@ -12,6 +12,9 @@
 Each key (namespace, name) is reconciled by one worker at a time; events that arrive during a
 reconcile queue it once more, and so does the reconcile's own create or delete (the watch's
 echo of it is no news to the cache). Status changes go to the background status writer.
+Nothing is decided from a child cache that is not filled, or whose kind the API server does
+not serve or let the operator read: such a resource is told why (a condition, from the
+owner cache alone), and every resource is looked at again once the watches are healthy.
 After each reconcile the key is scheduled again only when time matters: the /health cadence
 while Launching or Serving, the end of a relaunch backoff, and a rare safety resync. A
 resource at rest costs no API request.
@@ -61,10 +64,21 @@ from vllm_dp_operator.controller.kube import (
 )
 from vllm_dp_operator.controller.reconcile_view import CountingKube
 from vllm_dp_operator.controller.status_writer import StatusWriter, api_message
+from vllm_dp_operator.controller.watch_health import (
+    WatchProblem,
+    kind_name,
+    unserved_status,
+    watched_again,
+)
 from vllm_dp_operator.controller.workqueue import ShutDown, WorkQueue
 from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
-from vllm_dp_operator.observability.metrics import RESULT_ERROR, OperatorMetrics, result_of
+from vllm_dp_operator.observability.metrics import (
+    RESULT_ERROR,
+    OperatorMetrics,
+    WatchState,
+    result_of,
+)
 from vllm_dp_operator.reconcile.converge import reconcile
 from vllm_dp_operator.reconcile.outcome import Event, Outcome, Resource
 
@@ -140,9 +154,12 @@ class Controller:
         self.queue: WorkQueue[Key] = WorkQueue()
         self.reflectors = [
             Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR,
-                      lambda obj, kind=kind: self._child_changed(kind, obj))  # type: ignore[misc]
+                      lambda obj, kind=kind: self._child_changed(kind, obj),  # type: ignore[misc]
+                      on_health=self._watch_health_changed)
             for kind in CHILD_KINDS
         ]  # fmt: skip
+        #: What the resources were last woken for: (synced, the blocking causes).
+        self._watch_state: tuple[bool, tuple[str, ...]] = (False, ())
         #: What woke resources, by source: the owner, a child kind, a follow-up, a retry.
         self.wakes: Counter[str] = Counter()
         self.status = StatusWriter(api, self.cache, self._gone, workers=max(2, cfg.workers // 8),
@@ -161,7 +178,7 @@ class Controller:
         self.reconciles = 0
         self.failures = 0
         #: Prometheus metrics, on a registry of this controller's own.
-        self.metrics = metrics or OperatorMetrics(self.resource_states)
+        self.metrics = metrics or OperatorMetrics(self.resource_states, self.watch_states)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -224,13 +241,50 @@ class Controller:
         """Whether every reflector has loaded its first LIST."""
         return all(r.synced.is_set() for r in self.reflectors)
 
+    def _blockers(self) -> list[WatchProblem]:
+        return [r.refused for r in self.reflectors if r.refused is not None]
+
+    def ready(self) -> tuple[bool, str]:
+        """Readiness: synced and every watched kind served; else False and why."""
+        blockers = self._blockers()
+        if blockers:
+            return False, "; ".join(p.message for p in blockers)
+        waiting = [kind_name(r.kind) + (f" (last attempt: {r.problem.message})" if r.problem
+                                        else "")
+                   for r in self.reflectors if not r.synced.is_set()]  # fmt: skip
+        if waiting:
+            return False, f"waiting for the first LIST of {', '.join(waiting)}"
+        return True, "synced; every watched kind is served"
+
+    def watch_states(self) -> list[WatchState]:
+        """Per child kind: listed and served now, and failed attempts by reason (metrics)."""
+        return [WatchState(kind_name(r.kind),
+                           r.synced.is_set() and r.refused is None,
+                           dict(r.failures)) for r in self.reflectors]  # fmt: skip
+
+    def _watch_health_changed(self) -> None:
+        # A cache was filled, or a kind became unserved or served again: look at every
+        # resource again (the start's first reconciles come from here too).
+        state = (self.synced, tuple(p.message for p in self._blockers()))
+        if state == self._watch_state:
+            return
+        self._watch_state = state
+        if not state[0] and not state[1]:
+            return  # still filling: nothing to decide or to say yet
+        for key, _ in self.cache.items(VDP):
+            self.wakes["watches"] += 1
+            self.queue.add(key, urgent=key in self._new)
+
     def health(self) -> dict[str, Any]:
         """Liveness: raise when a task died; else the queue's and caches' numbers."""
         for task in self._tasks:
             if task.done() and task.get_name() != "announce":
                 raise RuntimeError(f"controller task {task.get_name()} has stopped")
+        ready, why = self.ready()
         return {
             "synced": self.synced,
+            "ready": ready,
+            "readiness": why,
             "queued": len(self.queue),
             "in_flight": self.queue.in_flight,
             "scheduled": self.queue.scheduled,
@@ -280,7 +334,6 @@ class Controller:
     # ------------------------------------------------------------------ workers
 
     async def _worker(self) -> None:
-        await asyncio.gather(*(r.synced.wait() for r in self.reflectors))
         while True:
             try:
                 key = await self.queue.get()
@@ -329,6 +382,12 @@ class Controller:
                 self.queue.drop(key)
             self._settled(key)
             return None
+        blockers = self._blockers()
+        if blockers:
+            self._unserved(key, owner, blockers)
+            return None
+        if not self.synced:
+            return None  # every resource is woken once the caches are filled
         owner = json_copy(owner)
         uid = owner["metadata"].get("uid") or ""
         self._marks[key] = _mark(owner["metadata"])
@@ -348,6 +407,10 @@ class Controller:
         self.reconciles += 1
         self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
         self._settled(key)
+        again = watched_again(outcome.status["conditions"], outcome.status["observedGeneration"],
+                              now)  # fmt: skip
+        if again is not None:
+            outcome.status["conditions"] = again
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
         if changes:
             self.status.submit(key, uid, changes)
@@ -361,6 +424,21 @@ class Controller:
             self.queue.add(key)
         self.queue.add_after(key, next_wake(self.cfg, outcome))
         return outcome
+
+    def _unserved(self, key: Key, owner: Obj, blockers: list[WatchProblem]) -> None:
+        # Decided from the owner cache (fed by kopf) alone: no child cache is read here.
+        uid = owner["metadata"].get("uid") or ""
+        current = self.status.effective(key, uid, owner.get("status") or {})
+        generation = int(owner["metadata"].get("generation") or 0)
+        doc = unserved_status(current, blockers, generation, self.clock())
+        changes = {k: v for k, v in doc.items() if current.get(k) != v}
+        if changes:
+            self.status.submit(key, uid, changes)
+        # One Warning per new cause: not per wake, nor when one of several causes goes away.
+        if any(p.message not in (current.get("message") or "") for p in blockers):
+            self.post_event(_event_target(owner),
+                            Event(c.EVENT_WARNING, blockers[0].reason, doc["message"]))
+        self._settled(key)
 
     async def _owner_exists(self, key: Key, uid: str) -> None:
         # Before a create: children made for a deleted owner would carry a dead owner

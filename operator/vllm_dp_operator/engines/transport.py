@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
+import aiohttp.abc
 from kubernetes_asyncio import client
+
+from vllm_dp_operator.api import names
+from vllm_dp_operator.constants import DEFAULT_CLUSTER_DOMAIN
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +54,18 @@ class ServiceTransport(Protocol):
 
 
 class ServiceDnsTransport:
-    """In the cluster: http://<service>.<namespace>.svc:<port><path>."""
+    """In the cluster: http://<service>.<namespace>.svc.<cluster domain>.:<port><path>.
 
-    def __init__(self, timeout: float) -> None:
+    The name is absolute (see `names.service_fqdn`): no search-path lookups before each probe.
+    """
+
+    def __init__(
+        self, timeout: float, cluster_domain: str = DEFAULT_CLUSTER_DOMAIN,
+        resolver: aiohttp.abc.AbstractResolver | None = None,
+    ) -> None:  # fmt: skip
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._domain = cluster_domain
+        self._resolver = resolver  # None: aiohttp's default; tests pass a double
         self._session: aiohttp.ClientSession | None = None
 
     async def request(
@@ -61,9 +73,10 @@ class ServiceDnsTransport:
         limit: int | None = None,
     ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
-        url = f"http://{service}.{namespace}.svc:{port}{path}"
+        url = f"http://{names.service_fqdn(service, namespace, self._domain)}:{port}{path}"
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            connector = aiohttp.TCPConnector(resolver=self._resolver) if self._resolver else None
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         try:
             async with self._session.request(method, url) as resp:
                 body, cut = await _read(resp, limit)
@@ -157,10 +170,13 @@ class DisabledTransport:
         """Nothing to release."""
 
 
-def make_transport(mode: str, api: client.ApiClient, timeout: float) -> ServiceTransport:
+def make_transport(
+    mode: str, api: client.ApiClient, timeout: float,
+    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN,
+) -> ServiceTransport:  # fmt: skip
     """The transport for a VLLMDP_HEALTH_PROBE setting."""
     if mode == "service-dns":
-        return ServiceDnsTransport(timeout)
+        return ServiceDnsTransport(timeout, cluster_domain)
     if mode == "apiserver-proxy":
         return ApiServerProxyTransport(api, timeout)
     if mode == "off":

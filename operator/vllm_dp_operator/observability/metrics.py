@@ -14,16 +14,19 @@ with our prefix, plus domain metrics. What counts, and why it is never counted t
 - `vllmdp_resources{phase}` and the per-resource gauges are read from the owner cache at
   scrape time: what is, not what happened, so they are right after a restart too, and a
   deleted resource's series go with it.
+- `vllmdp_watch_ready{kind}` and `vllmdp_watch_failures_total{kind,reason}` are read from the
+  reflectors at scrape time, so they say what the watches do now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from vllm_dp_operator import constants as c
@@ -61,6 +64,10 @@ NAMES = {
     "(status.launchAttempts).",
     "vllmdp_resource_consecutive_failures": "Head-job failures of a resource since it last "
     "served (status.consecutiveFailures).",
+    "vllmdp_watch_ready": "1 while a child kind is listed and served (not refused with 404 or "
+    "403), else 0; labelled with the kind, e.g. rayclusters.ray.io/v1.",
+    "vllmdp_watch_failures_total": "Failed LISTs and WATCHes of a child kind, by reason: "
+    "KindNotServed (404), WatchForbidden (403), ApiError, Unreachable.",
 }
 
 
@@ -98,12 +105,42 @@ class ResourceCollector(Collector):
         yield from (counts, phase, launches, failures)
 
 
+@dataclass(frozen=True)
+class WatchState:
+    """One child kind's watch, as the metrics show it."""
+
+    kind: str
+    ready: bool
+    failures: Mapping[str, int]
+
+
+class WatchCollector(Collector):
+    """The reflectors' state, read at scrape time from a callback."""
+
+    def __init__(self, watches: Callable[[], Iterable[WatchState]]) -> None:
+        self._watches = watches
+
+    def collect(self) -> Iterator[Metric]:
+        """vllmdp_watch_ready per kind, and the failed attempts per kind and reason."""
+        ready = GaugeMetricFamily("vllmdp_watch_ready", NAMES["vllmdp_watch_ready"],
+                                  labels=["kind"])  # fmt: skip
+        failures = CounterMetricFamily("vllmdp_watch_failures",
+                                       NAMES["vllmdp_watch_failures_total"],
+                                       labels=["kind", "reason"])  # fmt: skip
+        for watch in self._watches():
+            ready.add_metric([watch.kind], 1.0 if watch.ready else 0.0)
+            for reason, n in sorted(watch.failures.items()):
+                failures.add_metric([watch.kind, reason], float(n))
+        yield from (ready, failures)
+
+
 class OperatorMetrics:
     """The operator's metrics, each on this object's own registry."""
 
     def __init__(
-        self, resources: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]] | None = None
-    ) -> None:
+        self, resources: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]] | None = None,
+        watches: Callable[[], Iterable[WatchState]] | None = None,
+    ) -> None:  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.reconciles = Counter("vllmdp_reconcile", NAMES["vllmdp_reconcile_total"],
@@ -123,6 +160,7 @@ class OperatorMetrics:
                                          NAMES["vllmdp_time_to_serving_seconds"],
                                          buckets=SERVING_BUCKETS, registry=reg)  # fmt: skip
         reg.register(ResourceCollector(resources or list))
+        reg.register(WatchCollector(watches or list))
 
     def reconciled(self, result: str, seconds: float) -> None:
         """Count one reconcile and its duration."""

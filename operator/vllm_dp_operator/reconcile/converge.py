@@ -202,14 +202,14 @@ async def reconcile(
     if cluster is None:
         return await _provisioning(kube, res, spec, plan, cluster_name, None, "just created", st)
     cluster_uid = cluster["metadata"].get("uid")
-    readiness = cluster_readiness(cluster, plan.worker_pods)
+    head_pod = head_pod_of(_ours(await kube.list(POD, ns, names.head_pod_selector(cluster_name)),
+                                 cluster_uid))  # fmt: skip
+    readiness = cluster_readiness(cluster, plan.worker_pods, head_pod)
     if not readiness.ready:
         return await _provisioning(kube, res, spec, plan, cluster_name, cluster_uid,
                                    readiness.message, st)  # fmt: skip
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
-    head_pod = head_pod_of(_ours(await kube.list(POD, ns, names.head_pod_selector(cluster_name)),
-                                 cluster_uid))  # fmt: skip
     live.sort(key=_attempt)
     flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st)
     await flow.converge(live)

@@ -81,11 +81,25 @@ class ClusterReadiness:
     message: str
 
 
-def cluster_readiness(cluster: Mapping[str, Any], worker_pods: int) -> ClusterReadiness:
-    """Read a RayCluster's status: ready when the head and all planned workers are ready."""
+def pod_ready(pod: Mapping[str, Any] | None) -> bool:
+    """Whether a pod's own Ready condition is True (False for no pod)."""
+    if pod is None:
+        return False
+    return condition_status((pod.get("status") or {}).get("conditions") or [], "Ready") == "True"
+
+
+def cluster_readiness(
+    cluster: Mapping[str, Any], worker_pods: int, head_pod: Mapping[str, Any] | None = None
+) -> ClusterReadiness:
+    """Read a RayCluster's status: ready when the head and all planned workers are ready.
+
+    KubeRay writes `HeadPodReady` only with its `RayClusterStatusConditions` feature gate on;
+    without it the head's readiness is the head pod's own Ready condition.
+    """
     status = cluster.get("status") or {}
     conds = status.get("conditions") or []
-    head_ready = condition_status(conds, "HeadPodReady") == "True"
+    gated = condition_status(conds, "HeadPodReady")
+    head_ready = gated == "True" if gated is not None else pod_ready(head_pod)
     provisioned = (
         condition_status(conds, "RayClusterProvisioned") == "True" or status.get("state") == "ready"
     )
