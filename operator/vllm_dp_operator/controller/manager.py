@@ -123,7 +123,7 @@ class Controller:
         self, api: ControllerApi, cfg: Config, probe: HealthProbe, ray_jobs: RayJobs,
         namespace: str | None = None, post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-        metrics: OperatorMetrics | None = None,
+        metrics: OperatorMetrics | None = None, leading: bool = True,
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe, self.ray_jobs = api, cfg, probe, ray_jobs
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
@@ -152,6 +152,11 @@ class Controller:
         self.failures = 0
         #: Prometheus metrics, on a registry of this controller's own.
         self.metrics = metrics or OperatorMetrics(self.resource_states)
+        #: Set while this process holds the Lease (always, without leader election): a
+        #: standby's workers wait here, its caches filled by the reflectors and kopf's watch.
+        self.leading = asyncio.Event()
+        if leading:
+            self.leading.set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -209,10 +214,24 @@ class Controller:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
 
+    def lead(self) -> None:
+        """This process now holds the Lease: start reconciling, every cached resource first."""
+        self.leading.set()
+        for key, _ in self.cache.items(VDP):
+            self.wakes["leader"] += 1
+            self.queue.add(key)
+
     @property
     def synced(self) -> bool:
         """Whether every reflector has loaded its first LIST."""
         return all(r.synced.is_set() for r in self.reflectors)
+
+    def ready(self) -> tuple[bool, str]:
+        """Readiness: whether every cache is filled, and what is missing when not."""
+        waiting = [r.kind.plural for r in self.reflectors if not r.synced.is_set()]
+        if waiting:
+            return False, f"waiting for the first LIST of {', '.join(waiting)}"
+        return True, "caches synced"
 
     def health(self) -> dict[str, Any]:
         """Liveness: raise when a task died; else the queue's and caches' numbers."""
@@ -274,6 +293,7 @@ class Controller:
     async def _worker(self) -> None:
         await asyncio.gather(*(r.synced.wait() for r in self.reflectors))
         while True:
+            await self.leading.wait()
             try:
                 key = await self.queue.get()
             except ShutDown:
