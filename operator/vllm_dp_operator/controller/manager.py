@@ -349,11 +349,13 @@ class Controller:
         self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
         self._settled(key)
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
+        target, events = _event_target(owner), list(outcome.events)
         if changes:
-            self.status.submit(key, changes)
-        target = _event_target(owner)
-        for event in outcome.events:
-            self.post_event(target, event)
+            # An Event tells of a status that was written: a leader killed before its patch
+            # landed leaves both to its successor, which then posts the Event once, not twice.
+            self.status.submit(key, changes, after=lambda: self._post_all(target, events))
+        else:
+            self._post_all(target, events)
         if kube.creates_and_deletes:
             # The watch's echo of our own writes wakes nobody (the cache already holds them):
             # look once more, so the reconcile reaches a fixed point, as after an echo.
@@ -361,6 +363,10 @@ class Controller:
             self.queue.add(key)
         self.queue.add_after(key, next_wake(self.cfg, outcome))
         return outcome
+
+    def _post_all(self, target: Obj, events: list[Event]) -> None:
+        for event in events:
+            self.post_event(target, event)
 
     def _gone(self, key: Key) -> None:
         # A status patch answered 404: the resource was deleted without a DELETED event

@@ -45,6 +45,8 @@ class StatusWriter:
         self._gate = gate
         self._workers, self._retry = workers, retry_seconds
         self._pending: dict[Key, dict[str, Any]] = {}
+        #: What to do once a resource's pending changes are written (post their Events).
+        self._after: dict[Key, list[Callable[[], None]]] = {}
         self._order: asyncio.Queue[Key] = asyncio.Queue()
         self._queued: set[Key] = set()
         self._busy: set[Key] = set()
@@ -56,15 +58,25 @@ class StatusWriter:
         """The cached status with the changes not yet confirmed laid over it."""
         return {**status, **self._pending.get(key, {})}
 
-    def submit(self, key: Key, changes: Mapping[str, Any]) -> None:
-        """Queue changed status keys; later values of a key replace earlier ones."""
+    def submit(self, key: Key, changes: Mapping[str, Any],
+               after: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """Queue changed status keys (later values of a key replace earlier ones); call
+        `after` once a patch carrying them has been written."""
         self._pending.setdefault(key, {}).update(changes)
+        if after is not None:
+            self._after.setdefault(key, []).append(after)
         self._enqueue(key)
 
     def forget(self, key: Key) -> None:
         """Drop what is pending for a resource that is gone."""
         self._pending.pop(key, None)
+        self._after.pop(key, None)
         self._check_idle()
+
+    @staticmethod
+    def _run(then: list[Callable[[], None]]) -> None:
+        for fn in then:
+            fn()
 
     def _enqueue(self, key: Key) -> None:
         if key in self._queued or key in self._busy or key not in self._pending:
@@ -93,7 +105,9 @@ class StatusWriter:
                 await self._gate()  # children before status, while reconciles are waiting
             self._queued.discard(key)
             sent = dict(self._pending.get(key) or {})
+            then = self._after.pop(key, [])
             if not sent:
+                self._run(then)
                 self._check_idle()
                 continue
             self._busy.add(key)
@@ -114,11 +128,13 @@ class StatusWriter:
                 self._busy.discard(key)
             if obj is None:
                 if key in self._pending:
+                    self._after[key] = then + self._after.get(key, [])
                     asyncio.get_running_loop().call_later(self._retry, self._enqueue, key)
                 self._check_idle()
                 continue
             self.patches += 1
             self._cache.upsert(VDP, obj)
+            self._run(then)
             left = self._pending.get(key)
             if left is not None:
                 for name, value in sent.items():
