@@ -150,13 +150,13 @@ class Controller:
         #: Counters for the liveness probe, logs and tests.
         self.reconciles = 0
         self.failures = 0
-        #: Prometheus metrics, on a registry of this controller's own.
-        self.metrics = metrics or OperatorMetrics(self.resource_states)
         #: Set while this process holds the Lease (always, without leader election): a
         #: standby's workers wait here, its caches filled by the reflectors and kopf's watch.
         self.leading = asyncio.Event()
         if leading:
             self.leading.set()
+        #: Prometheus metrics, on a registry of this controller's own.
+        self.metrics = metrics or OperatorMetrics(self.resource_states)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -250,7 +250,10 @@ class Controller:
 
     def resource_states(self) -> list[tuple[Key, dict[str, Any]]]:
         """Every resource's status as the next reconcile will read it (pending changes laid
-        over), for the metrics read at scrape time."""
+        over), for the metrics read at scrape time; none on a standby, so that two replicas
+        scraped together count each resource once."""
+        if not self.leading.is_set():
+            return []
         return [(key, self.status.effective(key, obj.get("status") or {}))
                 for key, obj in self.cache.items(VDP)]  # fmt: skip
 
