@@ -293,3 +293,23 @@ async def test_the_gate_refuses_every_write_and_no_read_after_the_renew_deadline
         with pytest.raises(NotLeading):
             await write
     assert inner.calls == ["create", "stop", "get", "lookup"]
+
+
+async def test_a_renewal_that_conflicts_is_read_again_not_a_loss() -> None:
+    api, clock = FakeLeases(), Clock()
+    a = elector(api, clock, "a")
+    assert await a.try_acquire_or_renew()
+    real_replace = api.replace
+
+    async def landed_late(namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        api.replace = real_replace  # type: ignore[method-assign]
+        await real_replace(namespace, name, copy.deepcopy(body))  # an earlier renewal lands
+        return await real_replace(namespace, name, body)  # so this one is stale: 409
+
+    api.replace = landed_late  # type: ignore[method-assign]
+    clock.advance(2)
+    assert await a.try_acquire_or_renew()  # the gate's clock still allows writes
+    clock.advance(2)
+    assert await a.try_acquire_or_renew() and api.holder == "a"
+    clock.advance(9.9)
+    assert a.may_write()

@@ -247,11 +247,11 @@ class LeaderElector:
         try:
             written = await call
         except Conflict:
-            # Someone else wrote the record since we read it: read it again next time.
+            # The record changed since we read it (another's takeover, or an earlier renewal
+            # of ours that timed out here but landed): read it again next time, and until then
+            # the gate's clock alone decides.
             self._answered_at = self._clock()
-            if self.leading:
-                self._lost("the record changed under this process's update")
-            return False
+            return self.may_write() if self.leading else False
         except Exception as exc:
             self._api_error = repr(exc)[:300]
             return self.may_write()
