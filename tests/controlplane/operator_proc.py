@@ -125,6 +125,8 @@ class OperatorProcess:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
+        except OSError as exc:  # not listening (yet)
+            return 0, repr(exc)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
