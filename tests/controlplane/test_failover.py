@@ -18,6 +18,7 @@ import signal
 import statistics
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,11 @@ async def _ready_standby(proc: OperatorProcess, timeout: float = 30) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _create(api: ApiKube, ns: str, names: list[str], created: list[str]) -> None:
+async def _create(api: ApiKube, ns: str, names: list[str], created: list[str],
+                  at: tuple[int, Callable[[], None]] | None = None) -> None:  # fmt: skip
+    """Create the resources with WRITERS concurrent writers; call `at[1]` right after the
+    `at[0]`-th create returned (on a local API server a whole burst takes well under 1 s, so
+    a poll from outside would only see it done)."""
     sem = asyncio.Semaphore(WRITERS)
 
     async def one(name: str) -> None:
@@ -107,6 +112,8 @@ async def _create(api: ApiKube, ns: str, names: list[str], created: list[str]) -
             await api.create(VDP, ns, {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
                                        "metadata": {"name": name}, "spec": SPEC})  # fmt: skip
             created.append(name)
+            if at is not None and len(created) == at[0]:
+                at[1]()
 
     await asyncio.gather(*(one(n) for n in names))
 
@@ -161,12 +168,19 @@ def _status_went_backwards(log: WatchLog) -> list[str]:
 async def _duplicates(api: ApiKube, ns: str, log: WatchLog) -> dict[str, Any]:
     """Children per resource (listed, and ADDED on the watch) and Events posted twice."""
     out: dict[str, Any] = {}
+    def ours(obj: dict[str, Any]) -> str | None:
+        # KubeRay's own objects (a head Service per RayCluster) are not the operator's.
+        labels = obj["metadata"].get("labels") or {}
+        return labels.get(c.LABEL_INSTANCE) if labels.get(c.LABEL_MANAGED_BY) == c.MANAGER \
+            else None  # fmt: skip
+
     for kind in (RAYCLUSTER, SERVICE):
-        listed = Counter((o["metadata"].get("labels") or {}).get(c.LABEL_INSTANCE)
-                         for o in await api.list(kind, ns, ""))  # fmt: skip
-        added = Counter((s.obj["metadata"].get("labels") or {}).get(c.LABEL_INSTANCE)
-                        for s in log.seen if s.kind == kind and s.type == "ADDED")  # fmt: skip
-        out[kind.plural] = {n: k for n, k in (listed + added).items() if k != 2}
+        listed = Counter(ours(o) for o in await api.list(kind, ns, ""))
+        added = Counter(ours(s.obj) for s in log.seen if s.kind == kind and s.type == "ADDED")
+        counts = listed + added
+        counts.pop(None, None)
+        out[kind.plural] = {n: k for n, k in counts.items() if k != 2}
+        out[f"{kind.plural}_count"] = len(counts)
     events = Counter((e["involvedObject"].get("uid"), e["reason"], e["message"])
                      for e in await api.list(EVENT, ns, ""))  # fmt: skip
     out["events"] = [k for k, n in events.items() if n > 1]
@@ -189,14 +203,21 @@ async def _kill_in_bursts(testbed: Any, ns: str, pair: Replicas) -> list[float]:
                 await _ready_standby(standby)
                 names = [f"r{r}-{i:02d}" for i in range(BURST)]
                 created: list[str] = []
-                burst = asyncio.create_task(_create(api, ns, names, created))
-                while len(created) < BURST // 3 and not burst.done():
-                    await asyncio.sleep(0.02)
-                killed_at = time.monotonic()
-                leader.kill(signal.SIGKILL)
+                killed: list[tuple[float, int]] = []
+
+                def kill(leader: OperatorProcess = leader, killed: list[Any] = killed,
+                         created: list[str] = created) -> None:  # fmt: skip
+                    os.kill(leader.pid, signal.SIGKILL)
+                    killed.append((time.monotonic(), len(created)))
+
+                burst = asyncio.create_task(_create(api, ns, names, created, (BURST // 3, kill)))
+                while not killed:
+                    await asyncio.sleep(0.01)
+                killed_at, at_count = killed[0]
+                await asyncio.to_thread(leader.kill)  # reap it
                 holder = await _new_holder(api, pair.lease, holder, FAILOVER_BOUND + 10)
                 failovers.append(time.monotonic() - killed_at)
-                print(f"round {r}: killed the leader after {len(created)} creates; a standby "
+                print(f"round {r}: killed the leader after {at_count} creates; a standby "
                       f"led {failovers[-1]:.1f}s later", flush=True)  # fmt: skip
                 # The kubelet restarts it: the next round's standby.
                 await asyncio.to_thread(leader.start)
@@ -208,6 +229,7 @@ async def _kill_in_bursts(testbed: Any, ns: str, pair: Replicas) -> list[float]:
             dup = await _duplicates(api, ns, log)
             back = _status_went_backwards(log)
     assert not dup["rayclusters"] and not dup["services"], dup
+    assert dup["rayclusters_count"] == dup["services_count"] == ROUNDS * BURST, dup
     assert not dup["events"], f"Events posted twice: {dup['events']}"
     assert dup["event_count"] > 0, "no Events at all: the check would prove nothing"
     assert not back, back
