@@ -145,7 +145,9 @@ class BenchOperator:
         self.overrides = settings
         env = {**self.tb.operator_env(), "KUBECONFIG": str(self.kubeconfig)}
         self.settings = {**shipped_settings(**settings), "VLLMDP_HEALTH_PROBE": "off"}
-        self.proc = OperatorProcess(env, self.log, self.settings)
+        # The chart's Role for the Lease is in the release namespace, as in a real install.
+        self.proc = OperatorProcess(env, self.log, {**self.settings,
+                                                    "VLLMDP_LEASE_NAMESPACE": SYSTEM_NS})
         self.proc.start()
 
     def stop(self) -> None:

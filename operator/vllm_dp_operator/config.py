@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 
 from vllm_dp_operator import constants
@@ -32,6 +33,66 @@ def cluster_domain(raw: str | None) -> str:
             "'-' and '.', such as cluster.local (the kubelet's --cluster-domain)"
         )
     return domain
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = (os.environ.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("true", "1", "yes"):
+        return True
+    if raw in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{name}: expected true or false, got {raw!r}")
+
+
+@dataclass(frozen=True)
+class LeaderElection:
+    """Leader election on a coordination.k8s.io/v1 Lease (controller-runtime's defaults)."""
+
+    #: VLLMDP_LEADER_ELECTION: only the Lease's holder writes; off only for a lone process.
+    enabled: bool = True
+    #: VLLMDP_LEASE_NAME: the Lease's name.
+    lease_name: str = "vllm-dp-operator"
+    #: VLLMDP_LEASE_NAMESPACE, else POD_NAMESPACE (the chart: the release namespace).
+    lease_namespace: str = "default"
+    #: VLLMDP_LEASE_DURATION_SECONDS: how long a standby waits, from when it last saw the
+    #: record change, before it takes a Lease that was not renewed.
+    lease_duration_seconds: float = 15.0
+    #: VLLMDP_RENEW_DEADLINE_SECONDS: the leader stops writing, and exits, when it has not
+    #: renewed for this long; shorter than the lease, so it stops before anyone takes over.
+    renew_deadline_seconds: float = 10.0
+    #: VLLMDP_RETRY_PERIOD_SECONDS: how often the leader renews and a standby asks.
+    retry_period_seconds: float = 2.0
+    #: POD_NAME (the downward API), else the host name: the first part of the identity.
+    pod_name: str = "operator"
+
+    def check(self) -> None:
+        """Raise naming the settings when the timings cannot keep the Lease safe."""
+        if not 0 < self.retry_period_seconds < self.renew_deadline_seconds \
+                < self.lease_duration_seconds:  # fmt: skip
+            raise ValueError(
+                "VLLMDP_RETRY_PERIOD_SECONDS < VLLMDP_RENEW_DEADLINE_SECONDS < "
+                "VLLMDP_LEASE_DURATION_SECONDS must hold, got "
+                f"{self.retry_period_seconds:g} < {self.renew_deadline_seconds:g} < "
+                f"{self.lease_duration_seconds:g}"
+            )
+
+    @classmethod
+    def from_env(cls) -> LeaderElection:
+        """Read the leader-election settings from the process environment."""
+        election = cls(
+            enabled=_env_bool("VLLMDP_LEADER_ELECTION", True),
+            lease_name=os.environ.get("VLLMDP_LEASE_NAME") or "vllm-dp-operator",
+            lease_namespace=(os.environ.get("VLLMDP_LEASE_NAMESPACE")
+                             or os.environ.get("POD_NAMESPACE") or "default"),
+            lease_duration_seconds=_env_float("VLLMDP_LEASE_DURATION_SECONDS", 15.0),
+            renew_deadline_seconds=_env_float("VLLMDP_RENEW_DEADLINE_SECONDS", 10.0),
+            retry_period_seconds=_env_float("VLLMDP_RETRY_PERIOD_SECONDS", 2.0),
+            pod_name=os.environ.get("POD_NAME") or socket.gethostname(),
+        )
+        election.check()
+        return election
 
 
 @dataclass(frozen=True)
@@ -98,6 +159,14 @@ class Config:
     #: VLLMDP_ENGINE_METRICS_MAX_BYTES: most bytes of vLLM's /metrics read per probe while
     #: Serving (status.engines); the rest of a longer answer is not read.
     engine_metrics_max_bytes: int = 4 * 1024 * 1024
+    #: Leader election: VLLMDP_LEADER_ELECTION, VLLMDP_LEASE_*, VLLMDP_RENEW_DEADLINE_SECONDS,
+    #: VLLMDP_RETRY_PERIOD_SECONDS, POD_NAME, POD_NAMESPACE.
+    election: LeaderElection = field(default_factory=LeaderElection)
+    #: VLLMDP_READINESS_PORT: port of GET /readyz (200: caches synced and the Lease API
+    #: answers, so this process leads or could); 0 serves none.
+    readiness_port: int = 8082
+    #: VLLMDP_READINESS_HOST: address the readiness server binds (the chart: all interfaces).
+    readiness_host: str = "0.0.0.0"
 
     @classmethod
     def from_env(cls) -> Config:
@@ -125,6 +194,9 @@ class Config:
             metrics_port=_env_int("VLLMDP_METRICS_PORT", 0),
             metrics_host=os.environ.get("VLLMDP_METRICS_HOST") or "0.0.0.0",
             engine_metrics_max_bytes=_env_int("VLLMDP_ENGINE_METRICS_MAX_BYTES", 4 * 1024 * 1024),
+            election=LeaderElection.from_env(),
+            readiness_port=_env_int("VLLMDP_READINESS_PORT", 8082),
+            readiness_host=os.environ.get("VLLMDP_READINESS_HOST") or "0.0.0.0",
         )
 
     def backoff(self, consecutive_failures: int) -> float:

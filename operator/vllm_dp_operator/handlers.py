@@ -3,28 +3,43 @@
 kopf here only lists and watches the owner kind, runs startup and cleanup, and serves the
 liveness endpoint. Its handler for the owner is a plain `on.event` that returns None,
 so kopf writes nothing on its own: no finalizer, no last-handled-configuration annotation, no
-progress annotations (a daemon, a timer or a changing handler would add each of those).
-The reconcile runs in the controller's workers (`controller.py`), woken by watch events.
+progress annotations (a daemon, a timer or a changing handler would add each of those), no
+Events (posting is off), and it is not told of the legacy finalizer (the leader removes it,
+`controller/legacy_finalizer.py`). Every write the operator makes passes the Lease's gate
+(`controller/gate.py`); kopf runs `--standalone`, as its peering is not what decides who
+writes. The reconcile runs in the controller's workers (`controller/manager.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import sys
+import uuid
 from typing import Any
 
 import kopf
 
-from vllm_dp_operator import constants
+from vllm_dp_operator import __version__, constants
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller.kube import ApiKube
+from vllm_dp_operator.controller.gate import OPEN, GatedApi, GatedRayJobs, WriteGate
+from vllm_dp_operator.controller.kube import VDP, ApiKube
+from vllm_dp_operator.controller.lease import ApiLeases, ElectionConfig, LeaderElector
+from vllm_dp_operator.controller.legacy_finalizer import LegacyFinalizer
 from vllm_dp_operator.controller.manager import Controller
 from vllm_dp_operator.engines.probe import TransportProbe
 from vllm_dp_operator.engines.ray_dashboard import DashboardJobs
 from vllm_dp_operator.engines.transport import make_transport
 from vllm_dp_operator.observability.metrics_http import serve_metrics
+from vllm_dp_operator.observability.readiness_http import serve_readiness
 
 CONFIG = Config.from_env()
 RESOURCE = (constants.GROUP, constants.VERSION, constants.PLURAL)
+#: The pod's name plus a per-process suffix: a restarted container is a new holder, as in
+#: client-go's hostname_uuid.
+IDENTITY = f"{CONFIG.election.pod_name}_{uuid.uuid4().hex[:12]}"
+log = logging.getLogger(__name__)
 
 
 class _NoDiffBase(kopf.AnnotationsDiffBaseStorage):
@@ -42,38 +57,91 @@ class _NoEventHandlerChatter(logging.Filter):
                     and record.getMessage().startswith("Handler 'on_owner_event' succeeded"))
 
 
+def _lost_lease() -> None:
+    # Like controller-runtime's manager: exit, and let the restart make a clean standby. Its
+    # caches, queue and pending status were built as the leader; dropping them all at once
+    # is simpler to trust than handing each back. The gate already refuses every write.
+    log.critical("Leader election lost; exiting")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _lead(memo: kopf.Memo) -> None:
+    memo.controller.lead()
+    for _, obj in memo.controller.cache.items(VDP):
+        memo.legacy.release(obj)
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Connect once, start the controller; keep kopf's bookkeeping out of the objects."""
-    # Versions before the event-driven controller held this finalizer for their resync timer.
-    # Naming it lets kopf remove it from such objects, as no handler needs it any more.
-    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
+    """Connect once, start the controller and the election; keep kopf from writing."""
+    # kopf's own writes would bypass the Lease: no Events from kopf, and kopf is not told of
+    # the legacy finalizer (its default marker is on no object); the leader removes it.
+    settings.posting.enabled = False
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = _NoDiffBase(
         prefix=constants.GROUP, key="last-handled-configuration"
     )
     logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
-    kube = await ApiKube.connect()
+    kube = await ApiKube.connect(user_agent=f"vllm-dp-operator/{__version__} {IDENTITY}")
     transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds,
                                CONFIG.cluster_domain)  # fmt: skip
     probe = TransportProbe(transport, CONFIG.engine_metrics_max_bytes)
-    controller = Controller(kube, CONFIG, probe, DashboardJobs(transport),
-                            namespace=CONFIG.watch_namespace or None)  # fmt: skip
+    election = CONFIG.election
+    elector: LeaderElector | None = None
+    gate: WriteGate = OPEN
+    if election.enabled:
+        elector = LeaderElector(ApiLeases(kube.api), ElectionConfig(
+            namespace=election.lease_namespace, name=election.lease_name, identity=IDENTITY,
+            lease_duration=election.lease_duration_seconds,
+            renew_deadline=election.renew_deadline_seconds,
+            retry_period=election.retry_period_seconds))  # fmt: skip
+        gate = elector
+    api = GatedApi(kube, gate)
+    controller = Controller(api, CONFIG, probe, GatedRayJobs(DashboardJobs(transport), gate),
+                            namespace=CONFIG.watch_namespace or None,
+                            leading=elector is None)  # fmt: skip
+    memo.kube, memo.transport, memo.controller, memo.elector = kube, transport, controller, elector
+    memo.legacy = LegacyFinalizer(api)
     controller.start()
+    memo.election = None
+    if elector is not None:
+        log.info("Leader election on Lease %s/%s as %s", election.lease_namespace,
+                 election.lease_name, IDENTITY)  # fmt: skip
+        memo.election = asyncio.create_task(
+            elector.run(on_started=lambda: _lead(memo), on_stopped=_lost_lease), name="election"
+        )
     memo.metrics_server = None
     if CONFIG.metrics_port:
         memo.metrics_server = await serve_metrics(
             controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port
         )
-    memo.kube, memo.transport, memo.controller = kube, transport, controller
+    memo.readiness_server = None
+    if CONFIG.readiness_port:
+        checks = [("controller", controller.ready)]
+        if elector is not None:
+            checks.append(("lease", elector.healthy))
+        memo.readiness_server = await serve_readiness(
+            checks, CONFIG.readiness_host, CONFIG.readiness_port
+        )
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Stop the controller, then close the HTTP sessions and the API client."""
-    if memo.metrics_server is not None:
-        await memo.metrics_server.cleanup()
+    """Stop the controller, release the Lease, then close the HTTP sessions and the client."""
+    for server in (memo.metrics_server, memo.readiness_server):
+        if server is not None:
+            await server.cleanup()
+    # Stop writing first (pending status is written while the Lease is still held), then
+    # stop renewing and clear the holder, so a standby leads at once on a rolling update.
     await memo.controller.stop()
+    await memo.legacy.stop()
+    if memo.election is not None:
+        memo.election.cancel()
+        await asyncio.gather(memo.election, return_exceptions=True)
+        await memo.elector.release()
     await memo.transport.close()
     await memo.kube.close()
 
@@ -81,7 +149,10 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event(*RESOURCE)
 async def on_owner_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """Hand every owner event to the controller; returning None makes kopf write nothing."""
-    memo.controller.owner_event(event.get("type"), dict(event["object"]))
+    body = dict(event["object"])
+    memo.controller.owner_event(event.get("type"), body)
+    if event.get("type") != "DELETED" and memo.controller.leading.is_set():
+        memo.legacy.release(body)
 
 
 @kopf.on.probe(id="controller")

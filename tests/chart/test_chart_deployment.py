@@ -1,5 +1,6 @@
-"""Shape of the rendered operator Deployment: one replica, hardened pod, kopf command line
-and the VLLMDP_* settings the operator reads (vllm_dp_operator.config)."""
+"""Shape of the rendered operator Deployment: two replicas behind a Lease, a rolling update,
+a PodDisruptionBudget, spread across nodes, hardened pod, kopf command line, readiness and the
+VLLMDP_* settings the operator reads (vllm_dp_operator.config)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ import yaml
 CI = {p.stem: p for p in chartlib.CI_VALUES}
 KOPF_ARGS = ["run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz",
              "-m", "vllm_dp_operator.handlers"]
-ENV_NAMES = ["VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME", "VLLMDP_ENGINE_FS_GROUP",
+ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME",
+             "VLLMDP_ENGINE_FS_GROUP",
              "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS",
              "VLLMDP_PROBE_LAUNCHING_SECONDS", "VLLMDP_PROBE_SERVING_SECONDS",
              "VLLMDP_UNROUTE_AFTER_FAILURES", "VLLMDP_UNROUTE_AFTER_SECONDS",
              "VLLMDP_CLUSTER_DOMAIN", "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS",
              "VLLMDP_WORKERS",
              "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACE",
-             "VLLMDP_METRICS_PORT", "VLLMDP_ENGINE_METRICS_MAX_BYTES"]
+             "VLLMDP_METRICS_PORT", "VLLMDP_ENGINE_METRICS_MAX_BYTES", "VLLMDP_LEADER_ELECTION",
+             "VLLMDP_LEASE_NAME", "VLLMDP_LEASE_DURATION_SECONDS",
+             "VLLMDP_RENEW_DEADLINE_SECONDS", "VLLMDP_RETRY_PERIOD_SECONDS",
+             "VLLMDP_READINESS_PORT"]
 
 
 def _deployment(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -38,10 +43,70 @@ def _env(dep: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in _container(dep)["env"]}
 
 
-def test_single_replica_recreate(helm_bin: str) -> None:
+def test_two_replicas_rolling_update(helm_bin: str) -> None:
     spec = _deployment()["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    assert spec["replicas"] == 2
+    # A new pod is ready (synced, Lease API answering) before an old one stops.
+    assert spec["strategy"] == {"type": "RollingUpdate",
+                                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+def test_replicas_without_leader_election_are_refused(helm_bin: str) -> None:
+    proc = chartlib.helm("template", *chartlib.template_args(
+        set_values=["leaderElection.enabled=false"]), check=False)  # fmt: skip
+    assert proc.returncode != 0 and "needs leaderElection.enabled" in proc.stderr
+    one = _deployment(set_values=("leaderElection.enabled=false", "replicas=1"))
+    assert one["spec"]["replicas"] == 1 and _env(one)["VLLMDP_LEADER_ELECTION"] == "false"
+
+
+def test_lease_timings_that_overlap_are_refused(helm_bin: str) -> None:
+    proc = chartlib.helm("template", *chartlib.template_args(
+        set_values=["leaderElection.renewDeadlineSeconds=15"]), check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "renewDeadlineSeconds < leaseDurationSeconds" in proc.stderr
+
+
+def test_pod_disruption_budget_keeps_one_pod(helm_bin: str) -> None:
+    objects = chartlib.render()
+    (pdb,) = chartlib.by_kind(objects, "PodDisruptionBudget")
+    (dep,) = chartlib.by_kind(objects, "Deployment")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == dep["spec"]["selector"]
+    assert pdb["metadata"]["namespace"] == chartlib.DEFAULT_NAMESPACE
+    off = chartlib.render(set_values=("podDisruptionBudget.enabled=false",))
+    assert not chartlib.by_kind(off, "PodDisruptionBudget")
+
+
+def test_replicas_prefer_different_nodes(helm_bin: str) -> None:
+    dep = _deployment()
+    anti = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"] == dep["spec"]["selector"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in anti  # one node still runs
+    mine = _deployment(set_values=("affinity.nodeAffinity.x=y",))
+    assert mine["spec"]["template"]["spec"]["affinity"] == {"nodeAffinity": {"x": "y"}}
+
+
+def test_readiness_probe_on_the_operator_readyz(helm_bin: str) -> None:
+    c = _container(_deployment())
+    probe = c["readinessProbe"]["httpGet"]
+    assert probe == {"path": "/readyz", "port": "readiness"}
+    assert {"name": "readiness", "containerPort": 8082, "protocol": "TCP"} in c["ports"]
+    assert _env(_deployment())["VLLMDP_READINESS_PORT"] == "8082"
+
+
+def test_pod_identity_and_lease_settings_reach_the_environment(helm_bin: str) -> None:
+    c = _container(_deployment())
+    downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]
+                if "valueFrom" in e}  # fmt: skip
+    assert downward == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    env = _env(_deployment())
+    assert env["VLLMDP_LEADER_ELECTION"] == "true"
+    assert env["VLLMDP_LEASE_NAME"] == "vdp-vllm-dp-operator"
+    named = _env(_deployment(set_values=("leaderElection.leaseName=ops-lease",)))
+    assert named["VLLMDP_LEASE_NAME"] == "ops-lease"
 
 
 def test_liveness_probe_on_kopf_health_endpoint(helm_bin: str) -> None:
@@ -154,6 +219,12 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert int(env["VLLMDP_ENGINE_FS_GROUP"]) == defaults.render.fs_group
     assert float(env["VLLMDP_STOP_CONFIRM_SECONDS"]) == defaults.stop_confirm_seconds
     assert env["VLLMDP_CLUSTER_DOMAIN"] == defaults.cluster_domain
+    election = defaults.election
+    assert env["VLLMDP_LEADER_ELECTION"] == str(election.enabled).lower()
+    assert float(env["VLLMDP_LEASE_DURATION_SECONDS"]) == election.lease_duration_seconds == 15
+    assert float(env["VLLMDP_RENEW_DEADLINE_SECONDS"]) == election.renew_deadline_seconds == 10
+    assert float(env["VLLMDP_RETRY_PERIOD_SECONDS"]) == election.retry_period_seconds == 2
+    assert int(env["VLLMDP_READINESS_PORT"]) == defaults.readiness_port
 
 
 def test_operator_reads_the_rendered_environment(

@@ -59,6 +59,10 @@ def test_chart_has_no_dependencies_to_fetch(helm_bin: str) -> None:
         "extraEnv[0].name=VLLMDP_ENGINE_IMAGE",
         "kuberay.enabled=true",
         "stopConfirmSeconds=0",
+        "replicas=0",
+        "leaderElection.leaseDurationSeconds=0",
+        "podDisruptionBudget.maxUnavailable=0",
+        "readiness.port=0",
     ],
 )
 def test_schema_rejects_bad_values(helm_bin: str, bad: str) -> None:

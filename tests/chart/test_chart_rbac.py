@@ -42,9 +42,16 @@ PROXY: frozenset[tuple[str, str, str]] = frozenset(
     {("", "services/proxy", "get"), ("", "services/proxy", "create")}
 )
 
+# Leader election: the one Lease, read by name, created once, renewed by update (with its
+# resourceVersion as precondition); in the release namespace only, as a Role.
+LEASES: frozenset[tuple[str, str, str]] = frozenset(
+    ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")
+)
+
 FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
 # `update` only where a finalizer subresource needs it; everything else is patched.
-UPDATE_ALLOWED = {("vllmdp.io", "vllmdataparallels/finalizers")}
+UPDATE_ALLOWED = {("vllmdp.io", "vllmdataparallels/finalizers"),
+                  ("coordination.k8s.io", "leases")}
 FORBIDDEN_RESOURCES = {"*", "secrets", "pods/exec", "pods/attach", "pods/portforward",
                        "serviceaccounts/token", "nodes", "configmaps"}
 
@@ -73,20 +80,21 @@ def test_no_wildcards_no_secrets_no_escalation(helm_bin: str, values: tuple[Path
 
 @pytest.mark.parametrize("values", CASES)
 def test_required_permissions_present(helm_bin: str, values: tuple[Path, ...]) -> None:
-    missing = REQUIRED - _triples(_render(values))
+    missing = (REQUIRED | LEASES) - _triples(_render(values))
     assert not missing, f"missing permissions: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("values", CASES)
 def test_nothing_beyond_the_known_lists(helm_bin: str, values: tuple[Path, ...]) -> None:
-    extra = _triples(_render(values)) - REQUIRED - KOPF_CRDS - KOPF_NAMESPACES - PROXY
+    extra = _triples(_render(values)) - REQUIRED - KOPF_CRDS - KOPF_NAMESPACES - PROXY - LEASES
     assert not extra, f"permissions not in this test's lists: {sorted(extra)}"
 
 
 def test_default_is_cluster_role_without_proxy_or_namespaces(helm_bin: str) -> None:
     objects = chartlib.render()
     assert {o["kind"] for o in chartlib.rbac_objects(objects)} == {
-        "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    assert _triples({g for g in chartlib.grants(objects) if g.kind == "Role"}) == LEASES
     triples = _triples(chartlib.grants(objects))
     assert triples >= KOPF_CRDS
     assert not (PROXY & triples), "services/proxy must be granted only for apiserver-proxy"
@@ -116,12 +124,13 @@ def test_apiserver_proxy_adds_only_services_proxy_get_and_create(helm_bin: str) 
 def test_namespace_scope_is_role_in_watched_namespace(helm_bin: str) -> None:
     objects = chartlib.render((CI["namespace-scope-values"],))
     gs = chartlib.grants(objects)
-    namespaced = {g for g in gs if g.kind == "Role"}
+    namespaced = {g for g in gs if g.kind == "Role" and g.resource != "leases"}
     assert {g.namespace for g in namespaced} == {"llm-serving"}
     assert _triples(namespaced) == REQUIRED
     # What stays cluster-wide is kopf's read-only observation, nothing of the operator's own.
     assert _triples({g for g in gs if g.kind == "ClusterRole"}) == KOPF_CRDS | KOPF_NAMESPACES
-    binding = chartlib.by_kind(objects, "RoleBinding")[0]
+    (binding,) = [b for b in chartlib.by_kind(objects, "RoleBinding")
+                  if not b["metadata"]["name"].endswith("-leader-election")]  # fmt: skip
     assert binding["metadata"]["namespace"] == "llm-serving"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "vdp-vllm-dp-operator",
                                     "namespace": chartlib.DEFAULT_NAMESPACE}]
@@ -139,6 +148,20 @@ def test_namespace_scope_without_observation_has_no_cluster_rbac(helm_bin: str) 
 def test_single_namespace_cluster_role_observes_namespaces(helm_bin: str) -> None:
     triples = _triples(_render((CI["single-namespace-cluster-role-values"],)))
     assert triples >= KOPF_NAMESPACES
+
+
+@pytest.mark.parametrize("values", CASES)
+def test_leases_only_in_the_release_namespace_as_a_role(
+    helm_bin: str, values: tuple[Path, ...]
+) -> None:
+    leases = {g for g in _render(values) if g.resource == "leases"}
+    assert _triples(leases) == LEASES
+    assert {(g.kind, g.namespace) for g in leases} == {("Role", chartlib.DEFAULT_NAMESPACE)}
+
+
+def test_no_lease_rbac_without_leader_election(helm_bin: str) -> None:
+    gs = _render(set_values=("leaderElection.enabled=false", "replicas=1"))
+    assert not {g for g in gs if g.resource == "leases"}
 
 
 def test_rbac_create_false_renders_no_rbac(helm_bin: str) -> None:

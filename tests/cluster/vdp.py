@@ -24,6 +24,8 @@ import images
 
 OPERATOR_NS = "vllm-dp-system"
 OPERATOR_LABEL = "app.kubernetes.io/name=vllm-dp-operator"
+#: The chart's Lease (release `vdp`): its holder names the operator pod that writes.
+OPERATOR_LEASE = "vdp-vllm-dp-operator"
 API_PORT = 8000
 DASHBOARD_PORT = 8265
 
@@ -75,6 +77,23 @@ def own_namespace(cluster: RunningCluster, name: str) -> None:
     cluster.kubectl("create", "namespace", name)
     cluster.wait_until("the default ServiceAccount", lambda: cluster.kubectl(
         "get", "sa", "default", "-n", name, check=False).returncode == 0, 30)  # fmt: skip
+
+
+def operator_logs(cluster: RunningCluster, tail: int = 80) -> str:
+    """The end of each operator pod's log, the leader's first (the chart runs two replicas;
+    the Lease's holderIdentity is `<pod name>_<per-process suffix>`)."""
+    k = cluster.kubectl
+    lease = k("get", "lease", OPERATOR_LEASE, "-n", OPERATOR_NS, "-o",
+              "jsonpath={.spec.holderIdentity}", check=False).stdout.strip()  # fmt: skip
+    leader = lease.rsplit("_", 1)[0] if lease else ""
+    pods = k("get", "pods", "-n", OPERATOR_NS, "-l", OPERATOR_LABEL, "-o",
+             "jsonpath={.items[*].metadata.name}", check=False).stdout.split()  # fmt: skip
+    parts = []
+    for pod in sorted(pods, key=lambda p: p != leader):
+        role = "leader" if pod == leader else "standby"
+        logs = k("logs", "-n", OPERATOR_NS, pod, f"--tail={tail}", check=False).stdout
+        parts.append(f"--- operator pod {pod} ({role})\n{logs[-6000:]}")
+    return "\n".join(parts) or f"--- operator: no pods (Lease holder {lease or 'none'})"
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> Any:
@@ -160,8 +179,7 @@ class Vdp:
         parts = [k("get", "vdp,raycluster,rayjob,svc,pods", "-n", self.ns, "-o", "wide",
                    check=False).stdout,
                  "--- vdp status\n" + json.dumps(self.status_or_none(), indent=1)[-3000:],
-                 "--- operator\n" + k("logs", "-n", OPERATOR_NS, "-l", OPERATOR_LABEL,
-                                      "--tail=80", check=False).stdout[-6000:],
+                 operator_logs(self.cluster),
                  "--- kuberay-operator\n" + self.cluster.log_tail("kuberay-operator", 3000)]
         for role, pod in self.pods_or_empty().items():
             logs = k("logs", "-n", self.ns, pod["metadata"]["name"], "--tail=40",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -50,20 +52,40 @@ def _free_port() -> int:
         return port
 
 
-class OperatorProcess:
-    """One `kopf run` child process, started and stopped by PID."""
+#: Where the test operators' Leases live (the bed's processes run outside any pod).
+LEASE_NAMESPACE = "default"
+_IDENTITY = re.compile(r"Leader election on Lease \S+ as (\S+)")
 
-    def __init__(self, env: dict[str, str], log: Path, extra_env: dict[str, str] | None = None):
+
+class OperatorProcess:
+    """One `kopf run` child process, started and stopped by PID.
+
+    Leader election is on, as shipped. A process given no `lease_name` takes a fresh Lease at
+    each start, so a restart after a SIGKILL leads at once instead of waiting out the dead
+    process's lease; replicas share one `lease_name` and elect one leader.
+    """
+
+    def __init__(self, env: dict[str, str], log: Path, extra_env: dict[str, str] | None = None,
+                 lease_name: str | None = None, pod_name: str = "operator"):  # fmt: skip
         self.env = {**env, **OPERATOR_ENV, "VLLMDP_HEALTH_PROBE": probe_mode(env),
+                    "VLLMDP_LEASE_NAMESPACE": LEASE_NAMESPACE, "POD_NAME": pod_name,
+                    "VLLMDP_READINESS_HOST": "127.0.0.1",
                     **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.ready_port = 0
+        self.lease_name = lease_name
+        self._log_from = 0
         #: Watch one namespace (kopf --namespace) instead of all of them.
         self.namespace: str | None = None
 
     def start(self) -> None:
         self.port = _free_port()
+        self.ready_port = _free_port()
+        self.env["VLLMDP_READINESS_PORT"] = str(self.ready_port)
+        self.env["VLLMDP_LEASE_NAME"] = self.lease_name or f"vdp-test-{os.urandom(4).hex()}"
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         scope = [f"--namespace={self.namespace}"] if self.namespace else ["--all-namespaces"]
         # The children's watches follow the same scope (the chart sets both from one value).
         self.env["VLLMDP_WATCH_NAMESPACE"] = self.namespace or ""
@@ -84,6 +106,29 @@ class OperatorProcess:
             except OSError:
                 time.sleep(0.2)
         raise AssertionError(f"operator liveness never answered:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not running"
+        return self.proc.pid
+
+    def identity(self) -> str:
+        """This run's holderIdentity (its log says it at start)."""
+        text = self.log.read_bytes()[self._log_from:].decode(errors="replace")
+        found = _IDENTITY.search(text)
+        assert found, f"no identity in the operator's log:\n{self.log_tail()}"
+        return found.group(1)
+
+    def readiness(self) -> tuple[int, str]:
+        """GET /readyz: the status code and the body."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ready_port}/readyz",
+                                        timeout=2) as resp:  # fmt: skip
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError as exc:  # not listening (yet)
+            return 0, repr(exc)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,12 +117,21 @@ def test_install_upgrade_uninstall(testbed: RunningTestbed, testbed_namespace: s
     role = _get(testbed, "clusterrole", full)
     assert role is not None
     assert not any("services/proxy" in r["resources"] for r in role["rules"])
+    # Two replicas behind a Lease: its Role in the release namespace, and a disruption budget.
+    lease_role = _get(testbed, "role", f"{full}-leader-election", "-n", ns)
+    assert lease_role is not None and lease_role["rules"] == [{
+        "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+        "verbs": ["get", "create", "update"]}]  # fmt: skip
+    assert _get(testbed, "rolebinding", f"{full}-leader-election", "-n", ns) is not None
+    pdb = _get(testbed, "poddisruptionbudget", full, "-n", ns)
+    assert pdb is not None and pdb["spec"]["maxUnavailable"] == 1
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
     # kwok runs the pod (no containers really start): the Deployment becomes available.
     try:
         testbed.wait_until(
             "operator Deployment available",
             lambda: (_get(testbed, "deployment", full, "-n", ns) or {})
-            .get("status", {}).get("availableReplicas") == 1,
+            .get("status", {}).get("availableReplicas") == 2,
             120,
         )
     except AssertionError as exc:
@@ -184,10 +195,17 @@ def test_helm_install_then_example_reaches_the_integration_state(
     container = dep["spec"]["template"]["spec"]["containers"][0]
     token = testbed.kubectl("create", "token", full, "-n", ns).stdout.strip()
     kubeconfig = chartlib.sa_kubeconfig(tmp_path / "sa.kubeconfig", testbed.kubeconfig, token)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ready_port = s.getsockname()[1]
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
            "KUBECONFIG": str(kubeconfig),
-           "VLLMDP_HEALTH_PROBE": probe_mode(testbed.env())}
-    # Everything as the Deployment says, but the liveness port, which a test must not bind.
+           "VLLMDP_HEALTH_PROBE": probe_mode(testbed.env()),
+           # What the downward API gives the pod: the Lease is in the release namespace.
+           "POD_NAME": f"{full}-test", "POD_NAMESPACE": ns,
+           "VLLMDP_READINESS_HOST": "127.0.0.1", "VLLMDP_READINESS_PORT": str(ready_port)}
+    # Everything as the Deployment says, but the liveness and readiness ports, which a test
+    # must not bind as they are.
     args = [a for a in container["args"] if not a.startswith("--liveness")]
     log = (tmp_path / "operator.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", *container["command"], *args], env=env,
@@ -198,6 +216,11 @@ def test_helm_install_then_example_reaches_the_integration_state(
             (v := _get(testbed, "vdp", "llama8b-dp4-tp2", "-n", ns))
             and v.get("status", {}).get("phase") == "Launching" and v), 120)
         st = vdp["status"]
+        # Ready with the chart's RBAC: caches synced, and the Lease taken in the release namespace.
+        with urllib.request.urlopen(f"http://127.0.0.1:{ready_port}/readyz", timeout=5) as r:
+            assert r.status == 200, r.read()
+        lease = _get(testbed, "lease", full, "-n", ns)
+        assert lease is not None and lease["spec"]["holderIdentity"].startswith(f"{full}-test_")
         assert _get(testbed, "raycluster", st["rayCluster"], "-n", ns) is not None
         assert _get(testbed, "rayjob", st["headJob"], "-n", ns) is not None
         assert _get(testbed, "service", "llama8b-dp4-tp2-api", "-n", ns) is not None

@@ -91,7 +91,8 @@ def test_operator_with_chart_rbac_runs_scenario_without_forbidden(
     )
     _assert_owner_references_enforced(testbed, kubeconfig, ns)
     env = {**testbed.env(), "KUBECONFIG": str(kubeconfig)}
-    op = OperatorProcess(env, tmp_path / "operator.log")
+    # The chart's Role for the Lease lives in the release namespace (here the test's own).
+    op = OperatorProcess(env, tmp_path / "operator.log", {"VLLMDP_LEASE_NAMESPACE": ns})
     if scope == "namespace":
         op.namespace = ns
     op.start()

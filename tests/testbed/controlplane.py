@@ -46,6 +46,29 @@ class Profile:
     kubelet_client: bool  # the API server talks to kubelets (logs, exec)
 
 
+#: Write requests only, at Metadata level (who, what, the User-Agent, the answer's code), and
+#: not at the RequestReceived stage: the log shows which operator process wrote what, at a
+#: cost of one line per write. Node heartbeats (node leases, node status) are left out.
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: None
+    namespaces: [kube-node-lease]
+  - level: None
+    resources: [{group: "", resources: [nodes, nodes/status]}]
+  - level: Metadata
+    verbs: [create, update, patch, delete, deletecollection]
+  - level: None
+"""
+
+
+def audit_log(root: Path) -> Path:
+    """The API server's audit log (JSON lines) in a state dir."""
+    return root / "logs" / "audit.log"
+
+
 class ControlPlane:
     """Starts and addresses one control plane; `prepare` first, then `start`."""
 
@@ -114,6 +137,11 @@ class ControlPlane:
             "--kubelet-preferred-address-types=InternalIP",
         ] if p.kubelet_client else []  # fmt: skip
         token = self.tokens["admin"]
+        policy = st.root / "audit-policy.yaml"
+        policy.write_text(AUDIT_POLICY)
+        audit = [f"--audit-policy-file={policy}", f"--audit-log-path={audit_log(st.root)}",
+                 "--audit-log-format=json", "--audit-log-maxsize=200",
+                 "--audit-log-maxbackup=1"]  # fmt: skip
         self.launcher.launch(
             "kube-apiserver",
             [f"{bd}/kube-apiserver", f"--etcd-servers={etcd_url}",
@@ -132,7 +160,7 @@ class ControlPlane:
              # turns every watch from resourceVersion 0 into a watch-list request and refuses it
              # ("required storage feature RequestWatchProgress is disabled"); kwok always
              # watches from 0, so it would see pod changes only on relists (up to ~30 s late).
-             "--feature-gates=WatchList=false",
+             "--feature-gates=WatchList=false", *audit,
              "--allow-privileged=true", "--profiling=false", "--v=1"],
             lambda: http_get(f"{self.server}/readyz", token)[0] == 200, 120,
         )  # fmt: skip

@@ -85,7 +85,8 @@ def template(*extra: str) -> list[dict[str, Any]]:
 def install(st: State, archive: Path | None = None, extra: tuple[str, ...] = (),
             timeout: float = 180) -> dict[str, Any]:  # fmt: skip
     """Import the operator image (built or taken from the cache) into every node and
-    `helm upgrade --install` the chart; return once the operator pod is Ready."""
+    `helm upgrade --install` the chart; return once every operator pod is Ready (the chart
+    runs two, a leader and a standby, both Ready: synced, and the Lease API answering)."""
     if not realbed.healthy(st):
         raise RuntimeError(f"no healthy real-node bed in {st.root}; run `cluster up`")
     t0 = time.monotonic()
@@ -102,7 +103,7 @@ def install(st: State, archive: Path | None = None, extra: tuple[str, ...] = (),
           timeout=timeout + 30)  # fmt: skip
     took = time.monotonic() - t0
     log(f"operator: image {images.image_id(archive)[:19]} imported in {t_import:.1f}s, "
-        f"chart `{RELEASE}` in {NAMESPACE} Ready after {took:.1f}s")  # fmt: skip
+        f"chart `{RELEASE}` in {NAMESPACE} (every replica) Ready after {took:.1f}s")  # fmt: skip
     return {"release": RELEASE, "namespace": NAMESPACE, "image": images.ref(IMAGE),
             "image_id": images.image_id(archive), "seconds": round(took, 1)}  # fmt: skip
 

@@ -376,12 +376,14 @@ async def test_a_status_patch_in_flight_is_what_the_next_reconcile_reads() -> No
         await bed.ctl.status.idle()
         api.gate.clear()  # the API server is slow to answer status patches from now on
         bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "FAILED"})
-        await bed.until("the failure counted", lambda: bed.ctl.reconciles and any(
-            e.reason == c.REASON_JOB_FAILED for e in bed.events))  # fmt: skip
+        await bed.until("the failure counted", lambda: bed.ctl.reconciles and bed.ctl.status
+                        .effective(KEY, bed.owner()["metadata"].get("uid") or "", bed.status())
+                        .get("consecutiveFailures") == 1)
         before = bed.ctl.reconciles
         labels = {c.LABEL_INSTANCE: "demo", c.LABEL_MANAGED_BY: c.MANAGER}
         bed.api.put(POD, {"metadata": {"name": "p", "labels": labels}})  # another wake
         await bed.until("another reconcile", lambda: bed.ctl.reconciles > before)
+        assert not any(e.reason == c.REASON_JOB_FAILED for e in bed.events)  # not written yet
         api.gate.set()
         await bed.ctl.status.idle()
         assert bed.status()["consecutiveFailures"] == 1

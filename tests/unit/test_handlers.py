@@ -4,6 +4,7 @@ tests/unit/test_controller.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -44,6 +45,7 @@ class _Controller:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str | None, str]] = []
+        self.leading = asyncio.Event()  # a standby: it releases no legacy finalizer
 
     def owner_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         self.seen.append((event_type, body["metadata"]["name"]))

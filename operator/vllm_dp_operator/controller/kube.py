@@ -98,13 +98,20 @@ class ApiKube:
         self._api = api
 
     @classmethod
-    async def connect(cls) -> ApiKube:
-        """Load in-cluster credentials, else the kubeconfig, and build a client."""
+    async def connect(cls, user_agent: str | None = None) -> ApiKube:
+        """Load in-cluster credentials, else the kubeconfig, and build a client.
+
+        `user_agent` names this process in the API server's audit log (two replicas share
+        one ServiceAccount, so the user alone does not tell them apart).
+        """
         try:
             config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
             await config.load_kube_config()
-        return cls(client.ApiClient())
+        api = client.ApiClient()
+        if user_agent:
+            api.user_agent = user_agent
+        return cls(api)
 
     @property
     def api(self) -> client.ApiClient:

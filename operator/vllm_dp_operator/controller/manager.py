@@ -143,7 +143,7 @@ class Controller:
         self, api: ControllerApi, cfg: Config, probe: HealthProbe, ray_jobs: RayJobs,
         namespace: str | None = None, post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-        metrics: OperatorMetrics | None = None,
+        metrics: OperatorMetrics | None = None, leading: bool = True,
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe, self.ray_jobs = api, cfg, probe, ray_jobs
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
@@ -177,6 +177,11 @@ class Controller:
         #: Counters for the liveness probe, logs and tests.
         self.reconciles = 0
         self.failures = 0
+        #: Set while this process holds the Lease (always, without leader election): a
+        #: standby's workers wait here, its caches filled by the reflectors and kopf's watch.
+        self.leading = asyncio.Event()
+        if leading:
+            self.leading.set()
         #: Prometheus metrics, on a registry of this controller's own.
         self.metrics = metrics or OperatorMetrics(self.resource_states, self.watch_states)
 
@@ -235,6 +240,13 @@ class Controller:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+
+    def lead(self) -> None:
+        """This process now holds the Lease: start reconciling, every cached resource first."""
+        self.leading.set()
+        for key, _ in self.cache.items(VDP):
+            self.wakes["leader"] += 1
+            self.queue.add(key)
 
     @property
     def synced(self) -> bool:
@@ -295,7 +307,10 @@ class Controller:
 
     def resource_states(self) -> list[tuple[Key, dict[str, Any]]]:
         """Every resource's status as the next reconcile will read it (pending changes laid
-        over), for the metrics read at scrape time."""
+        over), for the metrics read at scrape time; none on a standby, so that two replicas
+        scraped together count each resource once."""
+        if not self.leading.is_set():
+            return []
         return [(key, self.status.effective(key, obj["metadata"].get("uid") or "",
                                             obj.get("status") or {}))
                 for key, obj in self.cache.items(VDP)]  # fmt: skip
@@ -335,6 +350,7 @@ class Controller:
 
     async def _worker(self) -> None:
         while True:
+            await self.leading.wait()
             try:
                 key = await self.queue.get()
             except ShutDown:
@@ -412,11 +428,13 @@ class Controller:
         if again is not None:
             outcome.status["conditions"] = again
         changes = {k: v for k, v in outcome.status.items() if current.get(k) != v}
+        target, events = _event_target(owner), list(outcome.events)
         if changes:
-            self.status.submit(key, uid, changes)
-        target = _event_target(owner)
-        for event in outcome.events:
-            self.post_event(target, event)
+            # An Event tells of a status that was written: a leader killed before its patch
+            # landed leaves both to its successor, which then posts the Event once, not twice.
+            self.status.submit(key, uid, changes, after=lambda: self._post_all(target, events))
+        else:
+            self._post_all(target, events)
         if kube.creates_and_deletes:
             # The watch's echo of our own writes wakes nobody (the cache already holds them):
             # look once more, so the reconcile reaches a fixed point, as after an echo.
@@ -424,6 +442,10 @@ class Controller:
             self.queue.add(key)
         self.queue.add_after(key, next_wake(self.cfg, outcome))
         return outcome
+
+    def _post_all(self, target: Obj, events: list[Event]) -> None:
+        for event in events:
+            self.post_event(target, event)
 
     def _unserved(self, key: Key, owner: Obj, blockers: list[WatchProblem]) -> None:
         # Decided from the owner cache (fed by kopf) alone: no child cache is read here.

@@ -60,6 +60,8 @@ class StatusWriter:
         self._workers, self._retry = workers, retry_seconds
         #: key -> (the uid the changes are for, the changes).
         self._pending: dict[Key, tuple[str, dict[str, Any]]] = {}
+        #: What to do once a resource's pending changes are written (post their Events).
+        self._after: dict[Key, list[Callable[[], None]]] = {}
         self._order: asyncio.Queue[Key] = asyncio.Queue()
         self._queued: set[Key] = set()
         self._busy: set[Key] = set()
@@ -76,12 +78,17 @@ class StatusWriter:
             return dict(status)
         return {**status, **pending[1]}
 
-    def submit(self, key: Key, uid: str, changes: Mapping[str, Any]) -> None:
-        """Queue changed status keys; later values of a key replace earlier ones."""
+    def submit(self, key: Key, uid: str, changes: Mapping[str, Any],
+               after: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """Queue changed status keys (later values of a key replace earlier ones); call
+        `after` once a patch carrying them has been written."""
         pending = self._pending.get(key)
         if pending is None or pending[0] != uid:
             pending = self._pending[key] = (uid, {})
+            self._after.pop(key, None)  # a namesake's Events tell of another resource
         pending[1].update(changes)
+        if after is not None:
+            self._after.setdefault(key, []).append(after)
         self._enqueue(key)
 
     def forget(self, key: Key, uid: str | None = None) -> None:
@@ -89,7 +96,13 @@ class StatusWriter:
         pending = self._pending.get(key)
         if pending is not None and uid in (None, pending[0]):
             del self._pending[key]
+            self._after.pop(key, None)
         self._check_idle()
+
+    @staticmethod
+    def _run(then: list[Callable[[], None]]) -> None:
+        for fn in then:
+            fn()
 
     def _enqueue(self, key: Key) -> None:
         if key in self._queued or key in self._busy or key not in self._pending:
@@ -136,7 +149,9 @@ class StatusWriter:
             self._queued.discard(key)
             uid, sent = self._pending.get(key) or ("", {})
             sent = dict(sent)
+            then = self._after.pop(key, [])
             if not sent:
+                self._run(then)
                 self._check_idle()
                 continue
             cached = self._cache.peek(VDP, *key)
@@ -158,6 +173,9 @@ class StatusWriter:
                     log.error("Status of %s/%s refused as invalid, dropped: HTTP 422 %s",
                               *key, api_message(exc))  # fmt: skip
                     self._settle(key, uid, sent)
+                    # What the reconcile decided stands; only its record was refused. Its
+                    # Events still say it (a successor would meet the same 422).
+                    self._run(then)
                 else:
                     retry = True
                     log.warning("Status of %s/%s not written: HTTP %s %s; retrying", *key,
@@ -169,6 +187,7 @@ class StatusWriter:
                 self._busy.discard(key)
             if obj is None:
                 if retry and key in self._pending:
+                    self._after[key] = then + self._after.get(key, [])
                     asyncio.get_running_loop().call_later(self._retry, self._enqueue, key)
                 elif key in self._pending:
                     self._enqueue(key)  # changes submitted while the refused patch was out
@@ -176,5 +195,6 @@ class StatusWriter:
                 continue
             self.patches += 1
             self._cache.wrote(VDP, obj)
+            self._run(then)
             self._settle(key, uid, sent)
             self._check_idle()
