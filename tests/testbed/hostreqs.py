@@ -260,13 +260,20 @@ def ensure_uses(*uses: str) -> None:
     ensure(needs(uses), log=lambda m: print(m, flush=True))
 
 
-def command_path(name: str) -> str:
-    """The path of one host command of the table, installed first (as root) when missing."""
+def command_path(name: str, host: Host = Host()) -> str:
+    """The path of one host command of the table, installed first (as root) when missing; one
+    installed off PATH (debootstrap in /usr/sbin for a user) is run by its path."""
     need = BY_NAME[name]  # a KeyError here: the command is not in the one list
-    ensure([need])
-    found = shutil.which(name) if not need.name.startswith("/") else need.name
-    if found is None or not os.path.exists(found):
-        raise MissingHostCommand(explain([need]))
+    if need.name.startswith("/"):
+        ensure([need], host)
+        return need.name
+    where = host.which(name) or ((d := host.off_path(name)) and str(Path(d) / name))
+    if where:
+        return where
+    ensure([need], host)
+    found = host.which(name)
+    if found is None:
+        raise MissingHostCommand(explain([need], host))
     return found
 
 
