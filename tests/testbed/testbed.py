@@ -16,6 +16,7 @@ in `.cluster/` or $VLLMDP_CLUSTER_DIR.
 
     testbed.py cluster build               also kubelet, kube-proxy, CoreDNS, pause/probe images
     testbed.py cluster up [--nodes 2] [--gpus-per-node 4] [--image TAR ...]
+                                           (`make cluster-up NODES=4`: 1..9 nodes, default 2)
     testbed.py cluster import [--node N] TAR...   image archives into the nodes (skips same image)
     testbed.py cluster content NODE        blobs a node holds (for images.py oci --have)
     testbed.py cluster images              what each node holds
@@ -90,8 +91,10 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     b = csub.add_parser("build", help="build or reuse every binary and image it runs")
     b.add_argument("--force", action="store_true")
     u = csub.add_parser("up", help="start the real-node bed (idempotent)")
-    u.add_argument("--nodes", type=int, default=_env_int("VLLMDP_CLUSTER_NODES", 2),
-                   help="real nodes (env VLLMDP_CLUSTER_NODES, default 2)")
+    env_nodes = os.environ.get("VLLMDP_CLUSTER_NODES")
+    u.add_argument("--nodes", type=int, default=int(env_nodes) if env_nodes else None,
+                   help="real nodes, 1..9 (env VLLMDP_CLUSTER_NODES; default: as many as the "
+                   f"running bed has, else {realbed.DEFAULT_NODES})")  # fmt: skip
     u.add_argument("--gpus-per-node", type=int,
                    default=_env_int("VLLMDP_CLUSTER_GPUS_PER_NODE", realbed.DEFAULT_GPUS),
                    help="nvidia.com/gpu advertised per node (env VLLMDP_CLUSTER_GPUS_PER_NODE)")
@@ -238,13 +241,17 @@ def _kwok(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = p.add_subparsers(dest="cmd", required=True)
     _kwok_parser(sub)
     _cluster_parser(sub)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         return _cluster(a) if a.cmd == "cluster" else _kwok(a)
     except BuildError as e:

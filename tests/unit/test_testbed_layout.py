@@ -105,3 +105,48 @@ def test_archive_identity_is_the_same_for_both_formats(tmp_path: Path) -> None:
     assert docker_id == oci_id and docker_id.startswith("sha256:")
     assert docker_names == ["app:dev"]
     assert len(oci_names) == 1 and realnodes.stored_as(oci_names[0], "app:dev")
+
+
+def test_the_real_node_bed_takes_a_node_count() -> None:
+    import testbed
+
+    assert testbed.parser().parse_args(["cluster", "up"]).nodes is None  # as it runs, else 2
+    assert testbed.parser().parse_args(["cluster", "up", "--nodes", "4"]).nodes == 4
+
+
+def test_node_count_env_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    import testbed
+
+    monkeypatch.setenv("VLLMDP_CLUSTER_NODES", "3")
+    assert testbed.parser().parse_args(["cluster", "up"]).nodes == 3
+
+
+@pytest.mark.parametrize(("asked", "running", "is_up", "expect"), [
+    (None, 2, False, (2, False)),  # nothing up: the default, 2
+    (None, 4, True, (4, True)),  # a bed of 4 is up: keep it (make dev, the cluster tier)
+    (4, 4, True, (4, True)),
+    (3, 2, True, (3, False)),  # asked for another size: start it again with 3
+    (3, 2, False, (3, False)),
+])  # fmt: skip
+def test_up_keeps_a_bed_of_the_size_asked_and_restarts_another(
+    asked: int | None, running: int, is_up: bool, expect: tuple[int, bool]
+) -> None:
+    import realbed
+
+    assert realbed.sized(asked, running, is_up) == expect
+
+
+def test_down_and_leftovers_cover_every_node_a_bed_can_have(tmp_path: Path) -> None:
+    """A bed of 4 taken down after a later `up` of 2 rewrote testbed.json still leaves
+    nothing: cleanup looks at node-1..9, not at the recorded count."""
+    import realbed
+    from procs import State
+
+    st = State(tmp_path)
+    st.write_info({"node_count": 2})
+    assert [n.name for n in realbed.nodes_of(st)] == ["node-1", "node-2"]
+    every = realbed.every_node(st)
+    assert [n.name for n in every][-1] == f"node-{realnodes.MAX_NODES}"
+    assert {n.ip for n in every} == {f"10.202.0.{10 + i}" for i in range(1, 10)}
+    st.write_info({"node_count": 4})
+    assert "kubelet-node-4" in realbed.components(st)
