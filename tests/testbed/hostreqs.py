@@ -238,7 +238,8 @@ def install(rows: Sequence[Need], host: Host = Host(), run: Callable[..., object
                     f"{explain(gone, host)}\napt-get said:\n{said.strip()}")  # fmt: skip
         importlib.invalidate_caches()
     if still := missing(gone, host):
-        why = "still missing after apt-get install" if pkgs else "not installable by apt-get"
+        why = ("still missing after apt-get install" if packages(still, host)
+               else "not installable by apt-get")  # fmt: skip
         raise MissingHostCommand(f"{why}:\n{explain(still, host)}")
     return gone
 

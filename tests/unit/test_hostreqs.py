@@ -279,3 +279,12 @@ def test_cli_check_on_a_path_without_nft(tmp_path: Path, monkeypatch: pytest.Mon
     assert [ln for ln in err.splitlines() if ln.startswith("missing:")] == [
         ln for ln in err.splitlines() if ln.startswith("missing: nft ")]
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_install_does_what_apt_can_and_names_what_it_cannot() -> None:
+    fake = FakeHost({"nft", "go"})
+    with pytest.raises(hostreqs.MissingHostCommand, match="not installable by apt-get") as e:
+        hostreqs.install(hostreqs.needs(["build", "cluster"]), fake.host(), run=fake.run,
+                         log=lambda _: None)  # fmt: skip
+    assert fake.calls[-1][-1] == "nftables" and "nft" not in fake.absent
+    assert "missing: go" in str(e.value) and "missing: nft" not in str(e.value)
