@@ -94,7 +94,8 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     env_nodes = os.environ.get("VLLMDP_CLUSTER_NODES")
     u.add_argument("--nodes", type=int, default=int(env_nodes) if env_nodes else None,
                    help="real nodes, 1..9 (env VLLMDP_CLUSTER_NODES; default: as many as the "
-                   f"running bed has, else {realbed.DEFAULT_NODES})")  # fmt: skip
+                   f"running bed has, else {realbed.DEFAULT_NODES}); a node costs about "
+                   "130 MiB (kubelet, containerd) before its pods")  # fmt: skip
     u.add_argument("--gpus-per-node", type=int,
                    default=_env_int("VLLMDP_CLUSTER_GPUS_PER_NODE", realbed.DEFAULT_GPUS),
                    help="nvidia.com/gpu advertised per node (env VLLMDP_CLUSTER_GPUS_PER_NODE)")
