@@ -210,8 +210,12 @@ class MissingHostCommand(RuntimeError):
     """A host command the beds need is missing and was not installed."""
 
 
+def _say(msg: str) -> None:
+    print(msg, flush=True)  # before apt-get's own output and any error on stderr
+
+
 def install(rows: Sequence[Need], host: Host = Host(), run: Callable[..., object] = subprocess.run,
-            log: Callable[[str], None] = print) -> list[Need]:  # fmt: skip
+            log: Callable[[str], None] = _say) -> list[Need]:  # fmt: skip
     """apt-get install the packages of what is missing of `rows` (`apt-get update` once
     first); return what was missing. Raises MissingHostCommand naming each command and its
     package when apt-get is absent, fails, or leaves one missing."""
@@ -244,7 +248,7 @@ def install(rows: Sequence[Need], host: Host = Host(), run: Callable[..., object
     return gone
 
 
-def ensure(rows: Sequence[Need], host: Host = Host(), log: Callable[[str], None] = print) -> None:
+def ensure(rows: Sequence[Need], host: Host = Host(), log: Callable[[str], None] = _say) -> None:
     """Before anything is built: as root, install what is missing; otherwise fail naming it."""
     gone = missing(rows, host)
     if not gone:
@@ -258,7 +262,7 @@ def ensure(rows: Sequence[Need], host: Host = Host(), log: Callable[[str], None]
 
 def ensure_uses(*uses: str) -> None:
     """ensure() for the rows of `uses`; what testbed.py and the builds call first."""
-    ensure(needs(uses), log=lambda m: print(m, flush=True))
+    ensure(needs(uses))
 
 
 def command_path(name: str, host: Host = Host()) -> str:
