@@ -134,6 +134,8 @@ def _cluster(a: argparse.Namespace) -> int:
         binaries.build(force=a.force)
         binaries.build_nodes(force=a.force)
     elif a.ccmd == "up":
+        if a.nodes is not None:
+            realnodes.plan(st.root, a.nodes)  # a bad count fails here, not in up's cleanup
         for archive in a.image:
             if not archive.is_file():
                 raise BuildError(f"--image {archive}: no such file")
