@@ -139,6 +139,12 @@ def _start_nodes(
     return node_ports
 
 
+class NotStarted(RuntimeError):
+    """`up` refused before it changed anything. Nothing is to be taken down: a `down` now
+    would replay an earlier host record and take the addresses (and KUBE-*/CNI-* chains) of
+    whatever holds our ranges, another bed's."""
+
+
 def sized(asked: int | None, running: int, is_up: bool) -> tuple[int, bool]:
     """How many nodes `up` starts (asked, else as many as run, else DEFAULT_NODES), and
     whether the healthy bed that runs already has them."""
@@ -152,8 +158,8 @@ def up(st: State, bd: Path, nd: Path, node_count: int | None, gpus: int,
     Idempotent: a healthy bed of that size only gets the images; one of another size is
     taken down and started again with the size asked for."""
     if os.geteuid() != 0:
-        raise RuntimeError("the real-node bed needs root (containerd, CNI bridges, iptables, "
-                           "cgroups, addresses on lo)")  # fmt: skip
+        raise NotStarted("the real-node bed needs root (containerd, CNI bridges, iptables, "
+                         "cgroups, addresses on lo)")  # fmt: skip
     running, is_up = len(nodes_of(st)), healthy(st)
     count, reuse = sized(node_count, running, is_up)
     nodes = realnodes.plan(st.root, count)
@@ -168,7 +174,8 @@ def up(st: State, bd: Path, nd: Path, node_count: int | None, gpus: int,
         log("found a partial or stale real-node bed; taking it down first")
         down(st)
     if claims := hostnet.foreign_claims(None):
-        raise RuntimeError(f"our address ranges are already in use here: {claims}")
+        raise NotStarted(f"our address ranges are already in use here (another real-node bed?): "
+                         f"{claims}")  # fmt: skip
     t_up = time.monotonic()
     for d in ("etcd", "nodes", "logs"):
         shutil.rmtree(st.root / d, ignore_errors=True)

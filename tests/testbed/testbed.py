@@ -147,6 +147,8 @@ def _cluster(a: argparse.Namespace) -> int:
             bd, nd = binaries.build(), binaries.build_nodes()
         try:
             realbed.up(st, bd, nd, a.nodes, a.gpus_per_node, a.image)
+        except realbed.NotStarted:
+            raise
         except BaseException:
             print(f"[testbed] up failed; taking down what was started (logs in {st.logs})",
                   file=sys.stderr)  # fmt: skip

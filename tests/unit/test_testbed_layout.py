@@ -150,3 +150,52 @@ def test_down_and_leftovers_cover_every_node_a_bed_can_have(tmp_path: Path) -> N
     assert {n.ip for n in every} == {f"10.202.0.{10 + i}" for i in range(1, 10)}
     st.write_info({"node_count": 4})
     assert "kubelet-node-4" in realbed.components(st)
+
+
+def test_another_beds_listener_is_a_foreign_claim() -> None:
+    """An API server still bound to 10.202.0.1:6443 after its address left lo (as /proc/net/tcp
+    lists it: little-endian hex, state 0A = LISTEN); other addresses and states are not ours."""
+    text = ("  sl  local_address rem_address   st tx_queue rx_queue\n"
+            "   0: 0100CA0A:192B 00000000:0000 0A 00000000:00000000\n"  # 10.202.0.1:6443
+            "   1: 0100007F:1F90 00000000:0000 0A 00000000:00000000\n"  # 127.0.0.1:8080
+            "   2: 0B00CA0A:D2F4 0100CA0A:192B 01 00000000:00000000\n")  # an established one
+    assert hostnet.listeners(text) == ["10.202.0.1:6443"]
+
+
+def _cluster_up_with(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: Exception
+) -> list[object]:
+    """`testbed.py cluster up` whose realbed.up raises `error`; the downs it ran."""
+    import binaries
+    import realbed
+    import testbed
+
+    monkeypatch.setenv("VLLMDP_CLUSTER_DIR", str(tmp_path))
+    monkeypatch.setattr(binaries, "ensure_host", lambda uses: None)
+    monkeypatch.setattr(binaries, "binaries_present", lambda bd=None: True)
+    monkeypatch.setattr(binaries, "node_binaries_present", lambda nd=None: True)
+
+    def up(*_: object) -> None:
+        raise error
+
+    downs: list[object] = []
+    monkeypatch.setattr(realbed, "up", up)
+    monkeypatch.setattr(realbed, "down", lambda st: downs.append(st) or [])
+    assert testbed.main(["cluster", "up", "--no-build"]) == 1
+    return downs
+
+
+def test_an_up_refused_before_any_change_takes_nothing_down(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A `down` then would replay the last host record and take another bed's addresses."""
+    import realbed
+
+    refused = realbed.NotStarted("our address ranges are already in use here")
+    assert _cluster_up_with(monkeypatch, tmp_path, refused) == []
+
+
+def test_an_up_that_failed_midway_is_taken_down(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert len(_cluster_up_with(monkeypatch, tmp_path, RuntimeError("kubelet died"))) == 1
