@@ -246,6 +246,11 @@ def _unmount_under(roots: list[Path]) -> None:
 
 def down(st: State) -> list[str]:
     """Stop and remove everything `up` made; return what is still left (ideally nothing)."""
+    held = hostnet.listeners(Path("/proc/net/tcp").read_text())
+    if another_bed_up((st.root / "host.json").exists(), any(st.alive().values()), held):
+        log(f"nothing of the bed in {st.root} runs, and another listens in its ranges "
+            f"({', '.join(held)}): leaving the host to that one")  # fmt: skip
+        return []
     t0 = time.monotonic()
     info, nodes = st.info(), every_node(st)
     nd = Path(info.get("node_bin_dir") or node_bin_dir())
@@ -274,6 +279,14 @@ def down(st: State) -> list[str]:
     log(f"down in {time.monotonic() - t0:.1f}s; "
         + ("nothing left" if not left else "LEFT: " + "; ".join(left)))  # fmt: skip
     return left
+
+
+def another_bed_up(made_changes: bool, ours_alive: bool, listeners: list[str]) -> bool:
+    """Whether a `down` now would take another bed apart: this one changed nothing since its
+    last `down` (no host.json) and runs nothing, yet something listens in our range. The
+    node cgroups, `kube-proxy --cleanup`, the KUBE-*/CNI-* chains and the addresses on lo
+    are named alike for every real-node bed on a host."""
+    return not made_changes and not ours_alive and bool(listeners)
 
 
 def _mounts() -> list[str]:

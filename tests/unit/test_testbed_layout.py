@@ -199,3 +199,17 @@ def test_an_up_that_failed_midway_is_taken_down(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     assert len(_cluster_up_with(monkeypatch, tmp_path, RuntimeError("kubelet died"))) == 1
+
+
+@pytest.mark.parametrize(("made", "alive", "held", "expect"), [
+    (False, False, ["10.202.0.1:6443"], True),  # a `down` of nothing while another bed is up
+    (False, False, [], False),  # a second `down` repairs what the first left
+    (True, False, ["10.202.0.1:6443"], False),  # this bed changed the host: undo it
+    (False, True, ["10.202.0.1:6443"], False),  # this bed runs: it holds the range
+])  # fmt: skip
+def test_down_leaves_another_beds_host_alone(
+    made: bool, alive: bool, held: list[str], expect: bool
+) -> None:
+    import realbed
+
+    assert realbed.another_bed_up(made, alive, held) is expect
