@@ -6,12 +6,16 @@ BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
 TESTBED := $(BIN)/python tests/testbed/testbed.py
 IMAGES := $(BIN)/python tests/testbed/images.py
+# The one list of host commands (Debian packages): `ensure` installs what a target needs as
+# root, or names it and stops, before anything is built. `make host-check` shows it all.
+HOSTREQS := $(PY) tests/testbed/hostreqs.py
 ENGINE_IMAGE ?= vllm-dp-engine:0.1.0
 OPERATOR_IMAGE ?= vllm-dp-operator:0.1.0
 EXAMPLE ?=
 SIM ?=
+NODES ?=
 
-.PHONY: help helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
+.PHONY: help host-check host-install helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane \
         image engine-image e2e-kind images images-smoke
@@ -19,7 +23,14 @@ SIM ?=
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
 
+host-check: ## Which host commands (Debian packages) the beds and scripts need are missing
+	@$(HOSTREQS) check
+
+host-install: ## apt-get install every missing host command (root)
+	$(HOSTREQS) install
+
 $(BIN)/python:
+	@$(HOSTREQS) ensure base
 	$(PY) -m venv $(VENV)
 
 venv: $(BIN)/python ## Create .venv and install the operator, the launcher and test tools
@@ -46,12 +57,15 @@ test-chart: ## Helm lint, template, RBAC shape
 	$(PYTEST) tests/chart
 
 test-controlplane: ## Real kube-apiserver, etcd, scheduler, kwok GPU nodes and KubeRay
+	@$(HOSTREQS) ensure kwok
 	$(PYTEST) -m controlplane tests/controlplane
 
 test-reliability: ## Crash points, API-server/etcd restarts, watch faults, fuzzed specs, secrets (control-plane bed)
+	@$(HOSTREQS) ensure kwok
 	$(PYTEST) -m reliability tests/reliability
 
 test-cluster: ## Real kubelets, containerd, CNI, kube-proxy, CoreDNS and KubeRay on this host (root)
+	@$(HOSTREQS) ensure kwok cluster images
 	$(PYTEST) -m cluster tests/cluster
 
 test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
@@ -67,19 +81,23 @@ chart-lint: ## helm lint the chart as shipped
 	"$$(tests/chart/ensure_helm.sh)" lint charts/vllm-dp-operator
 
 testbed-build: ## Build (or reuse) the pinned control-plane binaries
+	@$(HOSTREQS) ensure build kwok
 	$(TESTBED) build
 
 testbed-up: ## Start the control-plane test bed (kwok nodes)
+	@$(HOSTREQS) ensure kwok
 	$(TESTBED) up
 
 testbed-down: ## Stop the control-plane test bed
 	$(TESTBED) down
 
 cluster-build: ## Build (or reuse) everything the real-node test bed runs
+	@$(HOSTREQS) ensure build kwok cluster
 	$(TESTBED) cluster build
 
-cluster-up: ## Start the real-node test bed (root); prints `export KUBECONFIG=...`
-	$(TESTBED) cluster up
+cluster-up: ## Start the real-node test bed (root; NODES=4 for four nodes, default 2); prints `export KUBECONFIG=...`
+	@$(HOSTREQS) ensure kwok cluster
+	$(TESTBED) cluster up $(if $(NODES),--nodes $(NODES))
 
 cluster-down: ## Stop the real-node test bed and remove everything it made on the host
 	$(TESTBED) cluster down
@@ -87,7 +105,9 @@ cluster-down: ## Stop the real-node test bed and remove everything it made on th
 cluster-status: ## Which components of the real-node test bed are alive
 	$(TESTBED) cluster status
 
-dev: venv ## Real nodes + helm-installed operator + real vLLM (examples/dev-cpu.yaml) until Serving, as root; SIM=1: kwok nodes
+dev: ## Real nodes + helm-installed operator + real vLLM (examples/dev-cpu.yaml) until Serving, as root; SIM=1: kwok nodes
+	@$(HOSTREQS) ensure base build kwok $(if $(SIM),,cluster images)
+	@$(MAKE) --no-print-directory venv
 	$(BIN)/python hack/dev.py up $(if $(SIM),--sim) $(if $(EXAMPLE),--example $(EXAMPLE))
 
 dev-down: ## Stop what `make dev` (either mode) started
@@ -97,12 +117,15 @@ bench-controlplane: ## P1-P4 of docs/benchmarks.md on the test bed; last line is
 	$(BIN)/python bench/controlplane.py $(BENCH_ARGS)
 
 images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths
+	@$(HOSTREQS) ensure images
 	$(IMAGES) build all
 
 image-%: $(BIN)/python
+	@$(HOSTREQS) ensure images
 	$(IMAGES) build $*
 
 images-smoke: $(BIN)/python ## Unpack each test-bed image and run its checks in a chroot (starts vLLM: heavy lock)
+	@$(HOSTREQS) ensure images
 	flock /tmp/vllmdp-heavy.lock $(IMAGES) smoke all
 
 image: ## Operator image (needs Docker)

@@ -30,6 +30,11 @@ SIM_STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").reso
 REAL_STATE = Path(os.environ.get("VLLMDP_CLUSTER_DIR") or REPO / ".cluster").resolve()
 DEV = SIM_STATE / "dev"
 TESTBED = [sys.executable, str(REPO / "tests" / "testbed" / "testbed.py")]
+HOSTREQS = [sys.executable, str(REPO / "tests" / "testbed" / "hostreqs.py")]
+# What of the one list of host commands (tests/testbed/hostreqs.py) each mode needs; the
+# builds add Go's row when they build.
+REAL_USES = ("kwok", "cluster", "images")
+SIM_USES = ("kwok",)
 OPERATOR_ENV = {"VLLMDP_PROBE_LAUNCHING_SECONDS": "2"}
 REAL_EXAMPLE = REPO / "examples" / "dev-cpu.yaml"
 SIM_EXAMPLE = REPO / "examples" / "dp8-rpn4-tp1.yaml"
@@ -40,6 +45,12 @@ def _testbed(*args: str) -> None:
     env = {**os.environ, "VLLMDP_TESTBED_DIR": str(SIM_STATE),
            "VLLMDP_CLUSTER_DIR": str(REAL_STATE)}  # fmt: skip
     subprocess.run([*TESTBED, *args], check=True, env=env)
+
+
+def _host_first(uses: tuple[str, ...]) -> None:
+    """Every host command this mode needs, installed as root, before the first build."""
+    if subprocess.run([*HOSTREQS, "ensure", *uses]).returncode != 0:
+        sys.exit("make dev: a host command is missing (above); nothing was built")
 
 
 def _kubectl(state: Path, *args: str, input: str | None = None) -> str:
@@ -66,6 +77,7 @@ def up_real(example: Path, timeout: float) -> None:
     if os.geteuid() != 0:
         sys.exit("make dev runs real kubelets and containerd: run it as root (or `make dev SIM=1`)")
     t0 = time.monotonic()
+    _host_first(REAL_USES)
     _testbed("cluster", "up")
     _testbed("cluster", "load", *IMAGES)
     _testbed("cluster", "operator")
@@ -127,6 +139,7 @@ def _start_operator() -> None:
 
 def up_sim(example: Path, timeout: float) -> None:
     """The kwok bed, the operator as a process, the example; show what it made."""
+    _host_first(SIM_USES)
     _testbed("up")
     from vllm_dp_operator.api.crd import build_crd
 

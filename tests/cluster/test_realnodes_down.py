@@ -53,10 +53,11 @@ def test_down_leaves_nothing(cluster: RunningCluster) -> None:
         chains = [ln for ln in _out(save).splitlines() if re.match(r"^:(KUBE|CNI)-", ln)]
         rules = [ln for ln in _out(save).splitlines() if re.search(r"-j (KUBE|CNI)-", ln)]
         assert chains == [] and rules == [], save
-    cgroups = [str(p) for n in cluster.nodes
-               for p in Path("/sys/fs/cgroup").glob(f"*/{n['cgroup_root']}")]  # fmt: skip
-    cgroups += [str(p) for n in cluster.nodes
-                if (p := Path("/sys/fs/cgroup") / n["cgroup_root"]).exists()]  # fmt: skip
+    # Every node's cgroup root by its prefix, whatever the node count (`cluster up --nodes`).
+    assert {n["cgroup_root"] for n in cluster.nodes} == {
+        f"vllmdp-node-{i}" for i in range(1, len(cluster.nodes) + 1)}
+    cgroup = Path("/sys/fs/cgroup")
+    cgroups = [str(p) for p in [*cgroup.glob("*/vllmdp-node-*"), *cgroup.glob("vllmdp-node-*")]]
     assert cgroups == []
     netns = [ln for ln in _out("ip", "netns", "list").splitlines() if ln.startswith("cni-")]
     assert netns == []  # the runtime keeps pod namespaces under its state dir; none leak here

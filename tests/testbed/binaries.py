@@ -1,12 +1,14 @@
 """Builds what the test bed runs, cached outside the repository; starts nothing.
 
 - Control plane (`build`): kube-apiserver, kube-controller-manager, kube-scheduler and kubectl
-  from this directory's Go module, kwok and the KubeRay operator with `go install`, KubeRay's
-  CRDs, and Debian's etcd (apt-get when missing). Cached in `<cache>/bin-<key>/`.
+  from this directory's Go module, kwok and the KubeRay operator with `go install`, and
+  KubeRay's CRDs. Cached in `<cache>/bin-<key>/`.
 - Real nodes (`build_nodes`): kubelet and kube-proxy from the same Go module (so the same
-  Kubernetes release), CoreDNS, `pause` and `probe` from `nodecmd/`, the two one-file images
-  made from those (oci.py), and Debian's containerd, runc and CNI plugins (apt-get when
-  missing). Cached in `<cache>/nodes-<key>/`.
+  Kubernetes release), CoreDNS, `pause` and `probe` from `nodecmd/`, and the two one-file
+  images made from those (oci.py). Cached in `<cache>/nodes-<key>/`.
+
+What the beds run from Debian (etcd, containerd, runc, the CNI plugins, ...) is in the one list
+of host commands, hostreqs.py: each build checks (as root: installs) its part first.
 
 `<cache>` is common.cache_root(); each key hashes the pins and the recipe, so a change rebuilds
 and old entries stay (they are never pruned). Builds take a lock file in the cache root, so
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import hostreqs
 import oci
 from common import HERE, BuildError, cache_root, log, versions
 
@@ -41,12 +44,9 @@ KWOK_PACKAGE = "sigs.k8s.io/kwok/cmd/kwok"
 PAUSE_IMAGE = "testbed.local/pause:1"
 PROBE_IMAGE = "testbed.local/probe:1"
 NODE_IMAGES = {"pause": PAUSE_IMAGE, "probe": PROBE_IMAGE}
-# Debian's binaries the real nodes run, by the package that ships them.
-DEBIAN_NODE_FILES = {
-    "containerd": "/usr/bin/containerd",
-    "runc": "/usr/sbin/runc",
-    "containernetworking-plugins": "/usr/lib/cni/bridge",
-}
+# What of the one list (hostreqs.py) each build and bed needs.
+CONTROL_PLANE_USES = ("build", "kwok")
+REAL_NODE_USES = ("build", "kwok", "cluster")
 
 # Bump when the way binaries are built changes (flags, stamping), to invalidate the cache.
 BUILD_RECIPE = "2"
@@ -122,50 +122,26 @@ def node_binaries_present(nd: Path | None = None) -> bool:
     )
 
 
-def apt_install(packages: list[str]) -> None:
-    """Install Debian packages (as root, or through `sudo -n`)."""
-    apt = shutil.which("apt-get")
-    sudo: list[str] = [] if os.geteuid() == 0 else (["sudo", "-n"] if shutil.which("sudo") else [])
-    if not apt or (os.geteuid() != 0 and not sudo):
-        raise BuildError(f"install the Debian packages {' '.join(packages)} (apt-get install)")
-    log(f"installing Debian packages {' '.join(packages)} with apt-get")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (
-        [*sudo, apt, "update"],
-        [*sudo, apt, "install", "-y", "--no-install-recommends", *packages],
-    ):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BuildError(
-                f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-            )
+def ensure_host(uses: tuple[str, ...]) -> None:
+    """The host commands of `uses` (hostreqs.py), installed as root when missing; before any
+    build, so a missing one costs seconds, not a build."""
+    try:
+        hostreqs.ensure_uses(*uses)
+    except hostreqs.MissingHostCommand as e:
+        raise BuildError(str(e)) from e
 
 
-def find_etcd(install: bool = False) -> str:
-    """Return the etcd binary: $VLLMDP_ETCD, PATH, or install Debian's etcd-server."""
+def host_uses(uses: tuple[str, ...], building: bool) -> tuple[str, ...]:
+    """`uses` without Go's when nothing is to be built (a cache from elsewhere needs no Go)."""
+    return uses if building else tuple(u for u in uses if u != "build")
+
+
+def find_etcd() -> str:
+    """The etcd binary: $VLLMDP_ETCD, or Debian's etcd-server on PATH (hostreqs.py)."""
     cand = os.environ.get("VLLMDP_ETCD") or shutil.which("etcd")
-    if not cand and Path("/usr/bin/etcd").is_file():
-        cand = "/usr/bin/etcd"
-    if cand:
-        return cand
-    pkg = versions().get("ETCD_APT_PACKAGE", "etcd-server")
-    if not install:
-        raise BuildError(f"etcd not found (install the Debian package {pkg} or set VLLMDP_ETCD)")
-    # Debian's package may start etcd as a service where systemd runs; we never use that one.
-    apt_install([pkg])
-    cand = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").is_file() else None)
     if not cand:
-        raise BuildError(f"{pkg} installed but no etcd binary found")
+        raise BuildError(hostreqs.explain([hostreqs.BY_NAME["etcd"]]) + " (or set VLLMDP_ETCD)")
     return cand
-
-
-def ensure_node_packages(install: bool = False) -> None:
-    """Debian's containerd, runc and CNI plugins, which the real nodes run as installed."""
-    missing = [pkg for pkg, path in DEBIAN_NODE_FILES.items() if not Path(path).exists()]
-    if missing and not install:
-        raise BuildError(f"missing Debian packages: {' '.join(missing)} (run `cluster build`)")
-    if missing:
-        apt_install(missing)
 
 
 def kuberay_module_dir(env: dict[str, str]) -> Path:
@@ -249,8 +225,8 @@ def _k8s_command(cmd: str, tmp: Path, out: Path) -> None:
 
 def build(force: bool = False) -> Path:
     """Build (or reuse) the control-plane binaries; return their dir."""
-    find_etcd(install=True)
     bd = bin_dir()
+    ensure_host(host_uses(CONTROL_PLANE_USES, force or not binaries_present(bd)))
 
     def recipe(tmp: Path) -> None:
         v, env = versions(), go_env()
@@ -298,10 +274,10 @@ def _one_file_image(binary: Path, ref: str, out: Path, work: Path) -> None:
 
 
 def build_nodes(force: bool = False) -> Path:
-    """Build (or reuse) the real-node binaries and images, install Debian's; return their dir."""
-    ensure_node_packages(install=True)
-    _check_coredns_pin()
+    """Build (or reuse) the real-node binaries and images; return their dir."""
     nd = node_bin_dir()
+    ensure_host(host_uses(REAL_NODE_USES, force or not node_binaries_present(nd)))
+    _check_coredns_pin()
 
     def recipe(tmp: Path) -> None:
         for cmd in NODE_K8S_COMMANDS:

@@ -236,10 +236,28 @@ def our_links() -> list[str]:
     return [n for n in names if n.startswith(BRIDGE_PREFIX)]
 
 
+def listeners(proc_net_tcp: str) -> list[str]:
+    """TCP sockets listening on an address of our host range, as `ip:port`, from the text of
+    /proc/net/tcp. A listener outlives the address it was bound to: another bed's API server
+    still holds 10.202.0.1:6443 after that address is gone from lo."""
+    found = []
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 4 or fields[3] != "0A":  # 0A: LISTEN
+            continue
+        addr_hex, port_hex = fields[1].split(":")
+        ip = ".".join(str(b) for b in reversed(bytes.fromhex(addr_hex)))
+        if ip.startswith(HOST_PREFIX):
+            found.append(f"{ip}:{int(port_hex, 16)}")
+    return found
+
+
 def foreign_claims(ours: HostRecord | None) -> list[str]:
-    """Routes or addresses in our ranges that this bed did not make (another bed's, say)."""
+    """Routes, addresses or listeners in our ranges that this bed did not make (another
+    bed's, say)."""
     mine = set(ours.addresses if ours else [])
-    problems = [a for a in addresses_in_our_ranges()
+    problems = [f"listener {a}" for a in listeners(Path("/proc/net/tcp").read_text())]
+    problems += [a for a in addresses_in_our_ranges()
                 if a.split()[1].split("/")[0] not in mine
                 and not a.split()[0].startswith(BRIDGE_PREFIX)]  # fmt: skip
     for cidr in (POD_CIDR, SERVICE_CIDR, HOST_PREFIX + "0/24"):

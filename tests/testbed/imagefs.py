@@ -5,14 +5,14 @@ The overlay's upper directory collects exactly what the script wrote, so it *is*
 no copy of the whole tree and no diff. Each run happens in a mount namespace of its own
 (`unshare --mount`), so its mounts (the overlay, /proc, /dev, /sys, a tmpfs on /tmp, the host's
 resolver and CA bundle, and the read-only inputs under /tmp/in/<name>) vanish with it, even
-when it is killed. Needs root, util-linux, and debootstrap and zstd (installed from Debian's
-packages when missing).
+when it is killed. Needs root, util-linux, debootstrap and zstd (rows of hostreqs.py, installed
+from Debian's packages when missing).
 
 A layer must only add or change files: deleting one from a lower layer would need a whiteout,
 and `check_no_whiteouts` refuses the layer with the paths that did it (pin the lower layer's
 packages so the upper one never replaces them).
 
-Standard library only.
+Standard library only (hostreqs is too).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import hostreqs
 
 # Left out of the base layer: caches, docs and translations nothing in the images reads.
 TRIM = (
@@ -91,20 +93,13 @@ def _deb822(stanza: str) -> dict[str, str]:
     return fields
 
 
-def ensure_tool(command: str, package: str | None = None) -> str:
-    """The path of `command`; its Debian package is installed first when it is missing."""
-    for found in (shutil.which(command), f"/usr/sbin/{command}", f"/usr/bin/{command}"):
-        if found and Path(found).exists():
-            return found
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-q", package or command]
-    if subprocess.run(install, check=False, env=env).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
-        subprocess.run(install, check=True, env=env)
-    found = shutil.which(command) or f"/usr/sbin/{command}"
-    if not Path(found).exists():
-        raise BuildError(f"{command} is still missing after installing {package or command}")
-    return found
+def ensure_tool(command: str) -> str:
+    """The path of `command`, a row of the one list (hostreqs.py); as root its Debian package
+    is installed first when it is missing."""
+    try:
+        return hostreqs.command_path(command)
+    except hostreqs.MissingHostCommand as e:
+        raise BuildError(str(e)) from e
 
 
 def debootstrap(dest: Path, suite: str, mirror: str, packages: Sequence[str], log: Path) -> None:

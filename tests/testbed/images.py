@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import dockerfile
+import hostreqs
 import imagebuild
 import imagedefs
 import imagefs
@@ -57,11 +58,20 @@ def _names(arg: str) -> list[str]:
 
 def build(names: list[str] | tuple[str, ...] = IMAGES, force: bool = False) -> dict[str, Path]:
     """Build (or find in the cache) each image; return {name: docker-archive path}."""
+    ensure_host()
     out = {}
     for name in names:
         top, config = imagedefs.IMAGES[name]()
         out[name] = imagebuild.ensure_archive(name, ref(name), top, config, force=force)
     return out
+
+
+def ensure_host() -> None:
+    """debootstrap, zstd, unshare, ... (hostreqs.py `images`), before a layer is built."""
+    try:
+        hostreqs.ensure_uses("images")
+    except hostreqs.MissingHostCommand as e:
+        raise imagefs.BuildError(str(e)) from e
 
 
 def oci_archive(name: str, out: Path, have: set[str] | frozenset[str] = frozenset()) -> Path:

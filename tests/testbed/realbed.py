@@ -59,7 +59,14 @@ def state_dir() -> Path:
 
 
 def nodes_of(st: State) -> list[realnodes.Node]:
+    """The nodes the bed in `st` was started with (testbed.json)."""
     return realnodes.plan(st.root, int(st.info().get("node_count", DEFAULT_NODES)))
+
+
+def every_node(st: State) -> list[realnodes.Node]:
+    """Every node a bed in `st` can have had: what `down` cleans and `leftovers` looks at, so
+    a bed of 4 nodes whose testbed.json a later `up` of 2 rewrote leaves nothing behind."""
+    return realnodes.plan(st.root, realnodes.MAX_NODES)
 
 
 def components(st: State) -> list[str]:
@@ -132,22 +139,43 @@ def _start_nodes(
     return node_ports
 
 
-def up(st: State, bd: Path, nd: Path, node_count: int, gpus: int, images: list[Path]) -> None:
-    """Start the real-node bed (idempotent: a healthy one only gets the images)."""
+class NotStarted(RuntimeError):
+    """`up` refused before it changed anything. Nothing is to be taken down: a `down` now
+    would replay an earlier host record and take the addresses (and KUBE-*/CNI-* chains) of
+    whatever holds our ranges, another bed's."""
+
+
+def sized(asked: int | None, running: int, is_up: bool) -> tuple[int, bool]:
+    """How many nodes `up` starts (asked, else as many as run, else DEFAULT_NODES), and
+    whether the healthy bed that runs already has them."""
+    count = asked or (running if is_up else DEFAULT_NODES)
+    return count, is_up and count == running
+
+
+def up(st: State, bd: Path, nd: Path, node_count: int | None, gpus: int,
+       images: list[Path]) -> None:  # fmt: skip
+    """Start the real-node bed with `node_count` nodes (None: as it runs, else DEFAULT_NODES).
+    Idempotent: a healthy bed of that size only gets the images; one of another size is
+    taken down and started again with the size asked for."""
     if os.geteuid() != 0:
-        raise RuntimeError("the real-node bed needs root (containerd, CNI bridges, iptables, "
-                           "cgroups, addresses on lo)")  # fmt: skip
-    nodes = realnodes.plan(st.root, node_count)
-    if healthy(st):
-        log(f"already up and healthy ({st.root})")
-        realnodes.log_import(nodes_of(st), images)
+        raise NotStarted("the real-node bed needs root (containerd, CNI bridges, iptables, "
+                         "cgroups, addresses on lo)")  # fmt: skip
+    running, is_up = len(nodes_of(st)), healthy(st)
+    count, reuse = sized(node_count, running, is_up)
+    nodes = realnodes.plan(st.root, count)
+    if reuse:
+        log(f"already up and healthy with {running} node(s) ({st.root})")
+        realnodes.log_import(nodes, images)
         print(f"export KUBECONFIG={st.kubeconfig}", flush=True)
         return
+    if is_up:
+        log(f"up with {running} node(s), asked for {count}: starting it again")
     if st.pids() or (st.root / "host.json").exists():
         log("found a partial or stale real-node bed; taking it down first")
         down(st)
     if claims := hostnet.foreign_claims(None):
-        raise RuntimeError(f"our address ranges are already in use here: {claims}")
+        raise NotStarted(f"our address ranges are already in use here (another real-node bed?): "
+                         f"{claims}")  # fmt: skip
     t_up = time.monotonic()
     for d in ("etcd", "nodes", "logs"):
         shutil.rmtree(st.root / d, ignore_errors=True)
@@ -160,7 +188,7 @@ def up(st: State, bd: Path, nd: Path, node_count: int, gpus: int, images: list[P
     users = {"coredns": addons.COREDNS_USER, "kube-proxy": addons.KUBE_PROXY_USER,
              **{n.name: (f"system:node:{n.name}", "system:nodes") for n in nodes}}  # fmt: skip
     cp.prepare(users, None, None, (), {
-        "mode": "real-nodes", "node_count": node_count, "gpus_per_node": gpus,
+        "mode": "real-nodes", "node_count": len(nodes), "gpus_per_node": gpus,
         "node_bin_dir": str(nd), "pod_cidr": hostnet.POD_CIDR,
         "service_cidr": hostnet.SERVICE_CIDR, "dns_ip": hostnet.DNS_IP,
         "cgroup": "v2" if realnodes.cgroup_v2() else "v1",
@@ -218,8 +246,13 @@ def _unmount_under(roots: list[Path]) -> None:
 
 def down(st: State) -> list[str]:
     """Stop and remove everything `up` made; return what is still left (ideally nothing)."""
+    held = hostnet.listeners(Path("/proc/net/tcp").read_text())
+    if another_bed_up((st.root / "host.json").exists(), any(st.alive().values()), held):
+        log(f"nothing of the bed in {st.root} runs, and another listens in its ranges "
+            f"({', '.join(held)}): leaving the host to that one")  # fmt: skip
+        return []
     t0 = time.monotonic()
-    info, nodes = st.info(), nodes_of(st)
+    info, nodes = st.info(), every_node(st)
     nd = Path(info.get("node_bin_dir") or node_bin_dir())
     stop(st, "kuberay-operator")  # nothing may recreate pods from here on
     stop(st, "kube-controller-manager")
@@ -229,7 +262,7 @@ def down(st: State) -> list[str]:
     for n in nodes:
         realnodes.remove_containers(n)
         stop(st, f"containerd-{n.name}")
-        realnodes.kill_shims(n)
+    realnodes.kill_shims(nodes)
     stop_all(st, ["kube-proxy", "coredns", "kube-scheduler", "kube-apiserver", "etcd"])
     addons.kube_proxy_cleanup(nd)
     problems = [p for n in nodes for p in realnodes.remove_cgroups(n)]
@@ -248,6 +281,14 @@ def down(st: State) -> list[str]:
     return left
 
 
+def another_bed_up(made_changes: bool, ours_alive: bool, listeners: list[str]) -> bool:
+    """Whether a `down` now would take another bed apart: this one changed nothing since its
+    last `down` (no host.json) and runs nothing, yet something listens in our range. The
+    node cgroups, `kube-proxy --cleanup`, the KUBE-*/CNI-* chains and the addresses on lo
+    are named alike for every real-node bed on a host."""
+    return not made_changes and not ours_alive and bool(listeners)
+
+
 def _mounts() -> list[str]:
     return [ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()]
 
@@ -255,7 +296,7 @@ def _mounts() -> list[str]:
 def leftovers(st: State) -> list[str]:
     """Anything of this bed still on the host: processes, cgroups, mounts, network namespaces
     (nsfs mounts under our dirs), bridges, addresses, iptables chains, changed sysctls."""
-    nodes = realnodes.plan(st.root, int(st.info().get("node_count", DEFAULT_NODES)))
+    nodes = every_node(st)
     roots = [str(st.root), *(str(n.store) for n in nodes)]
     found = [f"process {name} (pid {rec['pid']})" for name, rec in st.pids().items()
              if pid_alive(rec["pid"])]  # fmt: skip

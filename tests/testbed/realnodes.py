@@ -69,9 +69,13 @@ class Node:
         return self.dir / "containerd.sock"
 
 
+MAX_NODES = 9  # node IPs 10.202.0.11-19, below the range's other addresses
+
+
 def plan(state_root: Path, count: int) -> list[Node]:
-    if not 1 <= count <= 9:
-        raise ValueError(f"nodes: {count} is out of range (1..9: node IPs are 10.202.0.11-19)")
+    if not 1 <= count <= MAX_NODES:
+        raise ValueError(f"nodes: {count} is out of range (1..{MAX_NODES}: node IPs are "
+                         f"10.202.0.11-{10 + MAX_NODES})")  # fmt: skip
     store = cache_root() / "containerd"
     return [Node(i, state_root / "nodes" / f"node-{i}", store / f"node-{i}")
             for i in range(1, count + 1)]  # fmt: skip
@@ -255,14 +259,15 @@ def remove_containers(node: Node) -> None:
         ctr(node, "containers", "delete", container, check=False)
 
 
-def kill_shims(node: Node) -> None:
+def kill_shims(nodes: list[Node]) -> None:
     """Shims are re-parented away from containerd; find ours by the address they were given."""
-    marker = f"-address\0{node.socket}\0".encode()
+    markers = [f"-address\0{node.socket}\0".encode() for node in nodes]
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if marker in (proc / "cmdline").read_bytes():
+            cmdline = (proc / "cmdline").read_bytes()
+            if any(m in cmdline for m in markers):
                 os.kill(int(proc.name), signal.SIGKILL)
         except OSError:
             continue

@@ -16,6 +16,7 @@ in `.cluster/` or $VLLMDP_CLUSTER_DIR.
 
     testbed.py cluster build               also kubelet, kube-proxy, CoreDNS, pause/probe images
     testbed.py cluster up [--nodes 2] [--gpus-per-node 4] [--image TAR ...]
+                                           (`make cluster-up NODES=4`: 1..9 nodes, default 2)
     testbed.py cluster import [--node N] TAR...   image archives into the nodes (skips same image)
     testbed.py cluster content NODE        blobs a node holds (for images.py oci --have)
     testbed.py cluster images              what each node holds
@@ -90,8 +91,11 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     b = csub.add_parser("build", help="build or reuse every binary and image it runs")
     b.add_argument("--force", action="store_true")
     u = csub.add_parser("up", help="start the real-node bed (idempotent)")
-    u.add_argument("--nodes", type=int, default=_env_int("VLLMDP_CLUSTER_NODES", 2),
-                   help="real nodes (env VLLMDP_CLUSTER_NODES, default 2)")
+    env_nodes = os.environ.get("VLLMDP_CLUSTER_NODES")
+    u.add_argument("--nodes", type=int, default=int(env_nodes) if env_nodes else None,
+                   help="real nodes, 1..9 (env VLLMDP_CLUSTER_NODES; default: as many as the "
+                   f"running bed has, else {realbed.DEFAULT_NODES}); a node costs about "
+                   "130 MiB (kubelet, containerd) before its pods")  # fmt: skip
     u.add_argument("--gpus-per-node", type=int,
                    default=_env_int("VLLMDP_CLUSTER_GPUS_PER_NODE", realbed.DEFAULT_GPUS),
                    help="nvidia.com/gpu advertised per node (env VLLMDP_CLUSTER_GPUS_PER_NODE)")
@@ -119,10 +123,19 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def _cluster(a: argparse.Namespace) -> int:
     st = State(realbed.state_dir())
+    if a.ccmd in ("build", "up"):
+        # Every host command of the real-node bed (hostreqs.py) before the first build: the
+        # control plane takes minutes to build, and only the nodes after it need nft.
+        cached = (binaries.binaries_present(binaries.bin_dir())
+                  and binaries.node_binaries_present(binaries.node_bin_dir()))  # fmt: skip
+        building = a.force or not cached if a.ccmd == "build" else not (cached or a.no_build)
+        binaries.ensure_host(binaries.host_uses(binaries.REAL_NODE_USES, building))
     if a.ccmd == "build":
         binaries.build(force=a.force)
         binaries.build_nodes(force=a.force)
     elif a.ccmd == "up":
+        if a.nodes is not None:
+            realnodes.plan(st.root, a.nodes)  # a bad count fails here, not in up's cleanup
         for archive in a.image:
             if not archive.is_file():
                 raise BuildError(f"--image {archive}: no such file")
@@ -130,11 +143,12 @@ def _cluster(a: argparse.Namespace) -> int:
             bd, nd = binaries.bin_dir(), binaries.node_bin_dir()
             if not (binaries.binaries_present(bd) and binaries.node_binaries_present(nd)):
                 raise BuildError(f"binaries missing in {bd} or {nd}; run `cluster build`")
-            binaries.ensure_node_packages()
         else:
             bd, nd = binaries.build(), binaries.build_nodes()
         try:
             realbed.up(st, bd, nd, a.nodes, a.gpus_per_node, a.image)
+        except realbed.NotStarted:
+            raise
         except BaseException:
             print(f"[testbed] up failed; taking down what was started (logs in {st.logs})",
                   file=sys.stderr)  # fmt: skip
@@ -207,6 +221,7 @@ def _kwok(a: argparse.Namespace) -> int:
         if kwoknodes.healthy(st):
             print(f"[testbed] already up and healthy ({st.root}); nothing to do")
             return 0
+        binaries.ensure_host(("kwok",))  # build() adds Go's row when it builds
         bd = binaries.bin_dir() if a.no_build else binaries.build()
         if not binaries.binaries_present(bd):
             raise BuildError(f"binaries missing in {bd}; run `build`")
@@ -231,13 +246,17 @@ def _kwok(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = p.add_subparsers(dest="cmd", required=True)
     _kwok_parser(sub)
     _cluster_parser(sub)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     try:
         return _cluster(a) if a.cmd == "cluster" else _kwok(a)
     except BuildError as e:

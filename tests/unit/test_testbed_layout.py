@@ -105,3 +105,111 @@ def test_archive_identity_is_the_same_for_both_formats(tmp_path: Path) -> None:
     assert docker_id == oci_id and docker_id.startswith("sha256:")
     assert docker_names == ["app:dev"]
     assert len(oci_names) == 1 and realnodes.stored_as(oci_names[0], "app:dev")
+
+
+def test_the_real_node_bed_takes_a_node_count() -> None:
+    import testbed
+
+    assert testbed.parser().parse_args(["cluster", "up"]).nodes is None  # as it runs, else 2
+    assert testbed.parser().parse_args(["cluster", "up", "--nodes", "4"]).nodes == 4
+
+
+def test_node_count_env_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    import testbed
+
+    monkeypatch.setenv("VLLMDP_CLUSTER_NODES", "3")
+    assert testbed.parser().parse_args(["cluster", "up"]).nodes == 3
+
+
+@pytest.mark.parametrize(("asked", "running", "is_up", "expect"), [
+    (None, 2, False, (2, False)),  # nothing up: the default, 2
+    (None, 4, True, (4, True)),  # a bed of 4 is up: keep it (make dev, the cluster tier)
+    (4, 4, True, (4, True)),
+    (3, 2, True, (3, False)),  # asked for another size: start it again with 3
+    (3, 2, False, (3, False)),
+])  # fmt: skip
+def test_up_keeps_a_bed_of_the_size_asked_and_restarts_another(
+    asked: int | None, running: int, is_up: bool, expect: tuple[int, bool]
+) -> None:
+    import realbed
+
+    assert realbed.sized(asked, running, is_up) == expect
+
+
+def test_down_and_leftovers_cover_every_node_a_bed_can_have(tmp_path: Path) -> None:
+    """A bed of 4 taken down after a later `up` of 2 rewrote testbed.json still leaves
+    nothing: cleanup looks at node-1..9, not at the recorded count."""
+    import realbed
+    from procs import State
+
+    st = State(tmp_path)
+    st.write_info({"node_count": 2})
+    assert [n.name for n in realbed.nodes_of(st)] == ["node-1", "node-2"]
+    every = realbed.every_node(st)
+    assert [n.name for n in every][-1] == f"node-{realnodes.MAX_NODES}"
+    assert {n.ip for n in every} == {f"10.202.0.{10 + i}" for i in range(1, 10)}
+    st.write_info({"node_count": 4})
+    assert "kubelet-node-4" in realbed.components(st)
+
+
+def test_another_beds_listener_is_a_foreign_claim() -> None:
+    """An API server still bound to 10.202.0.1:6443 after its address left lo (as /proc/net/tcp
+    lists it: little-endian hex, state 0A = LISTEN); other addresses and states are not ours."""
+    text = ("  sl  local_address rem_address   st tx_queue rx_queue\n"
+            "   0: 0100CA0A:192B 00000000:0000 0A 00000000:00000000\n"  # 10.202.0.1:6443
+            "   1: 0100007F:1F90 00000000:0000 0A 00000000:00000000\n"  # 127.0.0.1:8080
+            "   2: 0B00CA0A:D2F4 0100CA0A:192B 01 00000000:00000000\n")  # an established one
+    assert hostnet.listeners(text) == ["10.202.0.1:6443"]
+
+
+def _cluster_up_with(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: Exception
+) -> list[object]:
+    """`testbed.py cluster up` whose realbed.up raises `error`; the downs it ran."""
+    import binaries
+    import realbed
+    import testbed
+
+    monkeypatch.setenv("VLLMDP_CLUSTER_DIR", str(tmp_path))
+    monkeypatch.setattr(binaries, "ensure_host", lambda uses: None)
+    monkeypatch.setattr(binaries, "binaries_present", lambda bd=None: True)
+    monkeypatch.setattr(binaries, "node_binaries_present", lambda nd=None: True)
+
+    def up(*_: object) -> None:
+        raise error
+
+    downs: list[object] = []
+    monkeypatch.setattr(realbed, "up", up)
+    monkeypatch.setattr(realbed, "down", lambda st: downs.append(st) or [])
+    assert testbed.main(["cluster", "up", "--no-build"]) == 1
+    return downs
+
+
+def test_an_up_refused_before_any_change_takes_nothing_down(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A `down` then would replay the last host record and take another bed's addresses."""
+    import realbed
+
+    refused = realbed.NotStarted("our address ranges are already in use here")
+    assert _cluster_up_with(monkeypatch, tmp_path, refused) == []
+
+
+def test_an_up_that_failed_midway_is_taken_down(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert len(_cluster_up_with(monkeypatch, tmp_path, RuntimeError("kubelet died"))) == 1
+
+
+@pytest.mark.parametrize(("made", "alive", "held", "expect"), [
+    (False, False, ["10.202.0.1:6443"], True),  # a `down` of nothing while another bed is up
+    (False, False, [], False),  # a second `down` repairs what the first left
+    (True, False, ["10.202.0.1:6443"], False),  # this bed changed the host: undo it
+    (False, True, ["10.202.0.1:6443"], False),  # this bed runs: it holds the range
+])  # fmt: skip
+def test_down_leaves_another_beds_host_alone(
+    made: bool, alive: bool, held: list[str], expect: bool
+) -> None:
+    import realbed
+
+    assert realbed.another_bed_up(made, alive, held) is expect
