@@ -35,6 +35,16 @@ def cluster_domain(raw: str | None) -> str:
     return domain
 
 
+METRICS_AUTHS = ("kubernetes", "none")
+
+
+def _metrics_auth(raw: str | None) -> str:
+    value = (raw or "kubernetes").strip()
+    if value not in METRICS_AUTHS:
+        raise ValueError(f"VLLMDP_METRICS_AUTH={raw!r}: expected one of {', '.join(METRICS_AUTHS)}")
+    return value
+
+
 def _env_bool(name: str, default: bool) -> bool:
     raw = (os.environ.get(name) or "").strip().lower()
     if not raw:
@@ -156,6 +166,10 @@ class Config:
     metrics_port: int = 0
     #: VLLMDP_METRICS_HOST: address the metrics server binds (the chart: all interfaces).
     metrics_host: str = "0.0.0.0"
+    #: VLLMDP_METRICS_AUTH: "kubernetes": a scrape needs a bearer token that passes a
+    #: TokenReview and a SubjectAccessReview for get on /metrics; "none": anyone who reaches
+    #: the port may read it.
+    metrics_auth: str = "kubernetes"
     #: VLLMDP_ENGINE_METRICS_MAX_BYTES: most bytes of vLLM's /metrics read per probe while
     #: Serving (status.engines); the rest of a longer answer is not read.
     engine_metrics_max_bytes: int = 4 * 1024 * 1024
@@ -193,6 +207,7 @@ class Config:
             stop_confirm_seconds=_env_float("VLLMDP_STOP_CONFIRM_SECONDS", 60.0),
             metrics_port=_env_int("VLLMDP_METRICS_PORT", 0),
             metrics_host=os.environ.get("VLLMDP_METRICS_HOST") or "0.0.0.0",
+            metrics_auth=_metrics_auth(os.environ.get("VLLMDP_METRICS_AUTH")),
             engine_metrics_max_bytes=_env_int("VLLMDP_ENGINE_METRICS_MAX_BYTES", 4 * 1024 * 1024),
             election=LeaderElection.from_env(),
             readiness_port=_env_int("VLLMDP_READINESS_PORT", 8082),

@@ -31,6 +31,7 @@ from vllm_dp_operator.controller.manager import Controller
 from vllm_dp_operator.engines.probe import TransportProbe
 from vllm_dp_operator.engines.ray_dashboard import DashboardJobs
 from vllm_dp_operator.engines.transport import make_transport
+from vllm_dp_operator.observability.metrics_auth import ApiClientReviews, MetricsAuth
 from vllm_dp_operator.observability.metrics_http import serve_metrics
 from vllm_dp_operator.observability.readiness_http import serve_readiness
 
@@ -115,8 +116,12 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )
     memo.metrics_server = None
     if CONFIG.metrics_port:
+        # Reviews go straight to the API (not through the write gate): they store nothing,
+        # and a standby's /metrics is as protected as the leader's.
+        auth = (MetricsAuth(ApiClientReviews(kube.api))
+                if CONFIG.metrics_auth == "kubernetes" else None)  # fmt: skip
         memo.metrics_server = await serve_metrics(
-            controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port
+            controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port, auth
         )
     memo.readiness_server = None
     if CONFIG.readiness_port:

@@ -104,10 +104,16 @@ class Grant:
 
 
 def grants(objects: Iterable[dict[str, Any]]) -> set[Grant]:
-    """Expand every rule of every rendered Role/ClusterRole into single grants."""
+    """Expand every rule of every rendered Role/ClusterRole that a rendered binding grants
+    into single grants (a role the chart only offers, for others to bind, grants nothing)."""
+    objects = list(objects)
+    bound = {(b["roleRef"]["kind"], b["roleRef"]["name"]) for b in objects
+             if b.get("kind") in ("ClusterRoleBinding", "RoleBinding")}  # fmt: skip
     out: set[Grant] = set()
     for obj in objects:
         if obj.get("kind") not in ("ClusterRole", "Role"):
+            continue
+        if (obj["kind"], obj["metadata"]["name"]) not in bound:
             continue
         ns = obj["metadata"].get("namespace") if obj["kind"] == "Role" else None
         for rule in obj.get("rules") or []:

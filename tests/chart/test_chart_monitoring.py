@@ -36,6 +36,10 @@ def test_off_by_default_but_the_operator_serves_metrics(helm_bin: str) -> None:
     container = _container(objects)
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["VLLMDP_METRICS_PORT"] == "8081"
+    # Secure by default: the scrape needs a token the API server vouches for.
+    config = pytest.importorskip("vllm_dp_operator.config")
+    assert env["VLLMDP_METRICS_AUTH"] == "kubernetes" == config.Config().metrics_auth
+    assert env["VLLMDP_METRICS_HOST"] == "0.0.0.0"
     assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
 
 
@@ -54,8 +58,30 @@ def test_operator_service_monitor_reaches_the_metrics_port(helm_bin: str) -> Non
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [chartlib.DEFAULT_NAMESPACE]}
-    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics",
-                                             "interval": "15s"}]  # fmt: skip
+    assert monitor["spec"]["endpoints"] == [{
+        "port": "metrics", "path": "/metrics", "interval": "15s",
+        "bearerTokenFile": "/var/run/secrets/kubernetes.io/serviceaccount/token"}]  # fmt: skip
+
+
+def test_the_secure_metrics_rbac_reviews_tokens_and_offers_a_reader_role(helm_bin: str) -> None:
+    objects = chartlib.render()
+    roles = {r["metadata"]["name"]: r for r in chartlib.by_kind(objects, "ClusterRole")}
+    auth = next(r for n, r in roles.items() if n.endswith("-metrics-auth"))
+    assert auth["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+         "verbs": ["create"]},
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"],
+         "verbs": ["create"]}]  # fmt: skip
+    reader = next(r for n, r in roles.items() if n.endswith("-metrics-reader"))
+    assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    bindings = [b for b in chartlib.by_kind(objects, "ClusterRoleBinding")
+                if b["roleRef"]["name"] == auth["metadata"]["name"]]  # fmt: skip
+    assert len(bindings) == 1
+    plain = chartlib.render((), ("metrics.auth=none",))
+    assert not [r for r in chartlib.by_kind(plain, "ClusterRole")
+                if r["metadata"]["name"].endswith(("-metrics-auth", "-metrics-reader"))]
+    monitor = _one(chartlib.render((MONITORING,), ("metrics.auth=none",)), "ServiceMonitor")
+    assert "bearerTokenFile" not in monitor["spec"]["endpoints"][0]
 
 
 def _head_pod_template() -> tuple[dict[str, str], list[dict[str, Any]]]:

@@ -48,6 +48,13 @@ LEASES: frozenset[tuple[str, str, str]] = frozenset(
     ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")
 )
 
+# The secure /metrics: who a scraper's token is, and whether it may get /metrics. Cluster-scoped
+# questions that store nothing; on whenever the metrics port is served with auth (the default).
+METRICS_AUTH: frozenset[tuple[str, str, str]] = frozenset(
+    {("authentication.k8s.io", "tokenreviews", "create"),
+     ("authorization.k8s.io", "subjectaccessreviews", "create")}
+)
+
 FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
 # `update` only where a finalizer subresource needs it; everything else is patched.
 UPDATE_ALLOWED = {("vllmdp.io", "vllmdataparallels/finalizers"),
@@ -80,13 +87,14 @@ def test_no_wildcards_no_secrets_no_escalation(helm_bin: str, values: tuple[Path
 
 @pytest.mark.parametrize("values", CASES)
 def test_required_permissions_present(helm_bin: str, values: tuple[Path, ...]) -> None:
-    missing = (REQUIRED | LEASES) - _triples(_render(values))
+    missing = (REQUIRED | LEASES | METRICS_AUTH) - _triples(_render(values))
     assert not missing, f"missing permissions: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("values", CASES)
 def test_nothing_beyond_the_known_lists(helm_bin: str, values: tuple[Path, ...]) -> None:
-    extra = _triples(_render(values)) - REQUIRED - KOPF_CRDS - KOPF_NAMESPACES - PROXY - LEASES
+    extra = (_triples(_render(values)) - REQUIRED - KOPF_CRDS - KOPF_NAMESPACES - PROXY - LEASES
+             - METRICS_AUTH)
     assert not extra, f"permissions not in this test's lists: {sorted(extra)}"
 
 
@@ -128,7 +136,8 @@ def test_namespace_scope_is_role_in_watched_namespace(helm_bin: str) -> None:
     assert {g.namespace for g in namespaced} == {"llm-serving"}
     assert _triples(namespaced) == REQUIRED
     # What stays cluster-wide is kopf's read-only observation, nothing of the operator's own.
-    assert _triples({g for g in gs if g.kind == "ClusterRole"}) == KOPF_CRDS | KOPF_NAMESPACES
+    assert _triples({g for g in gs if g.kind == "ClusterRole"}) == (
+        KOPF_CRDS | KOPF_NAMESPACES | METRICS_AUTH)
     (binding,) = [b for b in chartlib.by_kind(objects, "RoleBinding")
                   if not b["metadata"]["name"].endswith("-leader-election")]  # fmt: skip
     assert binding["metadata"]["namespace"] == "llm-serving"
@@ -139,7 +148,11 @@ def test_namespace_scope_is_role_in_watched_namespace(helm_bin: str) -> None:
 def test_namespace_scope_without_observation_has_no_cluster_rbac(helm_bin: str) -> None:
     objects = chartlib.render((CI["namespace-scope-no-observation-values"],))
     kinds = {o["kind"] for o in chartlib.rbac_objects(objects)}
-    assert kinds == {"ServiceAccount", "Role", "RoleBinding"}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
+    # Cluster-wide, only the token and access reviews of the secure /metrics (and the reader
+    # role it offers, bound by no one here).
+    cluster = {g for g in chartlib.grants(objects) if g.kind == "ClusterRole"}
+    assert _triples(cluster) == METRICS_AUTH
     # An empty watchNamespace with namespace scope means the release namespace.
     roles = chartlib.by_kind(objects, "Role")
     assert roles[0]["metadata"]["namespace"] == chartlib.DEFAULT_NAMESPACE

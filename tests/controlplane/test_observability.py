@@ -54,12 +54,23 @@ def phase_events(testbed: Any, ns: str, name: str) -> list[str]:
     return [e["message"].split(":")[0] for e in events if e.get("reason") == "PhaseChanged"]
 
 
+def scrape(operator: OperatorProcess, token: str | None) -> tuple[int, str]:
+    """GET the operator's /metrics with a bearer token (or none): the status and the body."""
+    port = operator.metrics_port  # type: ignore[attr-defined]
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def operator_reconciles(operator: OperatorProcess) -> float:
     """vllmdp_reconcile_total summed over results, read from the operator's /metrics with
     prometheus_client's own parser."""
-    port = operator.metrics_port  # type: ignore[attr-defined]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    code, text = scrape(operator, operator.scraper.token)  # type: ignore[attr-defined]
+    assert code == 200, (code, text)
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "vllmdp_reconcile_total")  # fmt: skip
 
@@ -74,18 +85,58 @@ def ns(testbed_namespace: str) -> str:
     return testbed_namespace
 
 
+class Scraper:
+    """A ServiceAccount bound to the chart's metrics-reader ClusterRole, and one that is not."""
+
+    def __init__(self, testbed: Any, ns: str, tmp_path: Path) -> None:
+        (reader,) = [r for r in chartlib.by_kind(chartlib.render(), "ClusterRole")
+                     if r["metadata"]["name"].endswith("-metrics-reader")]  # fmt: skip
+        self.testbed, self.role = testbed, reader["metadata"]["name"]
+        self.binding = f"{ns}-metrics-scraper"
+        testbed.apply(reader)
+        for sa in ("scraper", "nobody"):
+            testbed.kubectl("create", "serviceaccount", sa, "-n", ns)
+        testbed.kubectl("create", "clusterrolebinding", self.binding, f"--clusterrole={self.role}",
+                        f"--serviceaccount={ns}:scraper")  # fmt: skip
+        self.token = self._token(ns, "scraper")
+        self.nobody = self._token(ns, "nobody")
+        self.token_file = tmp_path / "scraper.token"
+        self.token_file.write_text(self.token)
+
+    def _token(self, ns: str, sa: str) -> str:
+        return str(self.testbed.kubectl("create", "token", sa, "-n", ns).stdout.strip())
+
+    def close(self) -> None:
+        self.testbed.kubectl("delete", "clusterrolebinding", self.binding, "--ignore-not-found")
+
+
 @pytest.fixture
 def operator(testbed: Any, ns: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """An operator watching only this test's namespace, its /metrics on a loopback port."""
+    """An operator watching only this test's namespace, its /metrics on a loopback port,
+    behind the secure metrics server (the chart's default) with a scraper allowed in."""
     install_crd(testbed)
+    scraper = Scraper(testbed, ns, tmp_path)
     metrics_port = free_port()
     proc = OperatorProcess(testbed.env(), tmp_path / "operator.log", extra_env={
-        "VLLMDP_METRICS_PORT": str(metrics_port), "VLLMDP_METRICS_HOST": "127.0.0.1"})
+        "VLLMDP_METRICS_PORT": str(metrics_port), "VLLMDP_METRICS_HOST": "127.0.0.1",
+        "VLLMDP_METRICS_AUTH": "kubernetes"})
     proc.namespace = ns
     proc.metrics_port = metrics_port  # type: ignore[attr-defined]
+    proc.scraper = scraper  # type: ignore[attr-defined]
     proc.start()
-    yield proc
-    proc.stop()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        scraper.close()
+
+
+def _operator_job(operator: OperatorProcess) -> dict[str, Any]:
+    """Scraping the operator as the chart's ServiceMonitor does: with a bearer token."""
+    port = operator.metrics_port  # type: ignore[attr-defined]
+    token_file = operator.scraper.token_file  # type: ignore[attr-defined]
+    return {"job_name": "vllm-dp-operator", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+            "authorization": {"type": "Bearer", "credentials_file": str(token_file)}}
 
 
 def _pod_monitor_job(ns: str, targets: Path) -> dict[str, Any]:
@@ -100,11 +151,10 @@ def _pod_monitor_job(ns: str, targets: Path) -> dict[str, Any]:
 @pytest.fixture
 def prometheus(testbed: Any, ns: str, operator: OperatorProcess,
                tmp_path: Path) -> Iterator[Prometheus]:  # fmt: skip
-    port = operator.metrics_port  # type: ignore[attr-defined]
     targets = tmp_path / "pods.json"
     targets.write_text("[]")
     prom = Prometheus(tmp_path / "prometheus", [
-        {"job_name": "vllm-dp-operator", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
+        _operator_job(operator),
         _pod_monitor_job(ns, targets),
     ])
     prom.pods_file = targets  # type: ignore[attr-defined]
@@ -126,10 +176,7 @@ def _wait_value(testbed: Any, prom: Prometheus, expr: str, want: float,
 @pytest.fixture
 def operator_prometheus(operator: OperatorProcess, tmp_path: Path) -> Iterator[Prometheus]:
     """Prometheus scraping the operator alone (no pod network needed)."""
-    port = operator.metrics_port  # type: ignore[attr-defined]
-    prom = Prometheus(tmp_path / "prometheus", [
-        {"job_name": "vllm-dp-operator", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
-    ])
+    prom = Prometheus(tmp_path / "prometheus", [_operator_job(operator)])
     prom.start()
     yield prom
     prom.stop()
@@ -256,3 +303,20 @@ def test_prometheus_scrapes_operator_and_engines_status_and_events(
         testbed, ns, NAME)[-1:] == ["Serving -> Launching"], timeout=15)
     assert len(phase_events(testbed, ns, NAME)) == 4
     _wait_value(testbed, prometheus, 'vllmdp_resources{phase="Launching"}', 1)
+
+
+def test_operator_metrics_need_a_token_whose_user_may_get_them(
+    testbed: Any, ns: str, operator: OperatorProcess
+) -> None:
+    """The secure metrics server asks the real API server: TokenReview, SubjectAccessReview."""
+    scraper = operator.scraper  # type: ignore[attr-defined]
+    testbed.wait_until("the operator's /metrics to answer",
+                       lambda: scrape(operator, scraper.token)[0] == 200, timeout=60)
+    code, body = scrape(operator, None)
+    assert code == 401 and "vllmdp_" not in body, (code, body)
+    code, body = scrape(operator, "not-a-token")
+    assert code == 401 and "vllmdp_" not in body, (code, body)
+    code, body = scrape(operator, scraper.nobody)  # a real token, without the reader role
+    assert code == 403 and "vllmdp_" not in body, (code, body)
+    code, body = scrape(operator, scraper.token)
+    assert code == 200 and "vllmdp_reconcile_total" in body, (code, body[:300])
