@@ -45,13 +45,17 @@ HA_ENV = {"VLLMDP_HEALTH_PROBE": "off", "VLLMDP_PROBE_LAUNCHING_SECONDS": "3600"
 
 
 class Replicas:
-    """Two operator processes electing one leader on a Lease of their own."""
+    """Two operator processes electing one leader on a Lease of their own, watching only the
+    test's namespace: another test's leftovers (a namespace still terminating) are not their
+    work, and would make the moment of a freeze or a kill depend on them."""
 
-    def __init__(self, testbed: Any, logs: Path) -> None:
+    def __init__(self, testbed: Any, logs: Path, namespace: str) -> None:
         self.lease = f"vdp-ha-{os.urandom(4).hex()}"
         self.procs = [OperatorProcess(testbed.env(), logs / f"op-{i}.log", HA_ENV,
                                       lease_name=self.lease, pod_name=f"op-{i}")
                       for i in range(2)]  # fmt: skip
+        for proc in self.procs:
+            proc.namespace = namespace
 
     def __enter__(self) -> Replicas:
         for proc in self.procs:
@@ -239,7 +243,7 @@ async def _kill_in_bursts(testbed: Any, ns: str, pair: Replicas) -> list[float]:
 def test_sigkill_the_leader_in_bursts_of_50(testbed: Any, testbed_namespace: str,
                                              tmp_path: Path) -> None:  # fmt: skip
     install_crd(testbed)
-    with Replicas(testbed, tmp_path) as pair:
+    with Replicas(testbed, tmp_path, testbed_namespace) as pair:
         try:
             failovers = asyncio.run(_kill_in_bursts(testbed, testbed_namespace, pair))
         except AssertionError as exc:
@@ -317,7 +321,7 @@ def test_a_frozen_leader_makes_no_write_after_the_new_leader_writes(
     testbed: Any, testbed_namespace: str, tmp_path: Path
 ) -> None:
     install_crd(testbed)
-    with Replicas(testbed, tmp_path) as pair:
+    with Replicas(testbed, tmp_path, testbed_namespace) as pair:
         try:
             old, new = asyncio.run(_freeze(testbed, testbed_namespace, pair))
         except AssertionError as exc:
