@@ -74,7 +74,10 @@ def operator(testbed: Any, testbed_namespace: str, tmp_path: Path,
     install_crd(testbed)
     port = free_port()
     proc = OperatorProcess(testbed.env(), tmp_path / "operator.log", extra_env={
-        "VLLMDP_METRICS_PORT": str(port), "VLLMDP_METRICS_HOST": "127.0.0.1"})
+        "VLLMDP_METRICS_PORT": str(port), "VLLMDP_METRICS_HOST": "127.0.0.1",
+        # The gauges are read here without a token; the secure endpoint (the chart's default)
+        # has its own test in test_observability.py.
+        "VLLMDP_METRICS_AUTH": "none"})
     proc.namespace = testbed_namespace
     proc.metrics_port = port  # type: ignore[attr-defined]
     proc.start()
