@@ -101,6 +101,12 @@ class Bed:
             await asyncio.sleep(0.002)
         return loop.time() - start
 
+    async def owner_with_cluster(self) -> None:
+        """The resource added, its RayCluster made, and the controller at rest."""
+        self.add_owner()
+        await self.until("the RayCluster", lambda: self.names(RAYCLUSTER))
+        await self.settle()
+
     async def settle(self) -> None:
         """Wait until no key is queued or in flight."""
         await self.until("an idle queue", lambda: not len(self.ctl.queue)
@@ -144,9 +150,7 @@ async def test_child_events_reconcile_within_a_second_with_no_timer(bed: Bed) ->
 
 
 async def test_own_writes_echo_wakes_nothing_but_one_follow_up_runs(bed: Bed) -> None:
-    bed.add_owner()
-    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
-    await bed.settle()
+    await bed.owner_with_cluster()
     # The first reconcile creates; the one after it sees the cluster it made (from the cache)
     # and says what it waits for. The watch's ADDED echoes of both creates wake nothing more.
     assert bed.ctl.reconciles == 2
@@ -246,9 +250,7 @@ async def test_api_calls_per_reconcile_are_pinned_and_never_list() -> None:
 
 
 async def test_a_burst_of_child_events_is_coalesced(bed: Bed) -> None:
-    bed.add_owner()
-    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
-    await bed.settle()
+    await bed.owner_with_cluster()
     labels = {c.LABEL_INSTANCE: "demo", c.LABEL_MANAGED_BY: c.MANAGER}
     bed.api.put(POD, {"metadata": {"name": "p", "labels": labels}, "status": {}})
     await bed.settle()
@@ -260,9 +262,7 @@ async def test_a_burst_of_child_events_is_coalesced(bed: Bed) -> None:
 
 
 async def test_own_status_echo_wakes_nothing_but_a_spec_change_does(bed: Bed) -> None:
-    bed.add_owner()
-    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
-    await bed.settle()
+    await bed.owner_with_cluster()
     before = bed.ctl.reconciles
     bed.kopf_event("MODIFIED")  # the echo of our own status patch
     await bed.settle()
@@ -276,9 +276,7 @@ async def test_own_status_echo_wakes_nothing_but_a_spec_change_does(bed: Bed) ->
 
 
 async def test_an_owner_deleted_unseen_is_forgotten_at_its_status_404(bed: Bed) -> None:
-    bed.add_owner()
-    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
-    await bed.settle()
+    await bed.owner_with_cluster()
     # Deleted while kopf's watch was away: no DELETED event ever reaches the controller.
     del bed.api.objects[(VDP, *KEY)]
     bed.cluster_ready()  # a child event wakes the stale owner; its status patch answers 404

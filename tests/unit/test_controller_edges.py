@@ -75,9 +75,7 @@ async def test_a_resource_failing_its_first_reconcile_holds_no_other_status_back
 
 
 async def test_a_spec_edit_a_status_answer_brought_before_kopf_is_reconciled(bed: Bed) -> None:
-    bed.add_owner()
-    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
-    await bed.settle()
+    await bed.owner_with_cluster()
     await bed.ctl.status.idle()
     # A user suspends it; kopf's event for the edit is late.
     await bed.api.patch(VDP, "default", "demo", {"spec": {"suspend": True},
@@ -155,9 +153,7 @@ async def test_a_head_job_created_during_a_relist_is_not_made_twice() -> None:
 
 
 async def test_children_are_not_made_again_for_an_owner_deleted_unseen(bed: Bed) -> None:
-    bed.add_owner()
-    await bed.until("the RayCluster", lambda: bed.names(RAYCLUSTER))
-    await bed.settle()
+    await bed.owner_with_cluster()
     await bed.ctl.status.idle()
     bed.kopf_event("MODIFIED")  # kopf relays the echo of our status patch: old news
     # Deleted during kopf's 410 gap: no DELETED event; the garbage collector takes the

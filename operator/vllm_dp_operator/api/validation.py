@@ -54,7 +54,7 @@ class OwnedFlag:
     why: str = "which the operator owns"
 
 
-_OWNED: tuple[OwnedFlag, ...] = (
+OWNED_FLAGS: tuple[OwnedFlag, ...] = (
     OwnedFlag("--data-parallel-size", "-dp", "spec.dataParallel.size"),
     OwnedFlag("--data-parallel-size-local", "-dpl", "spec.dataParallel.ranksPerNode"),
     OwnedFlag("--data-parallel-address", "-dpa",
@@ -106,8 +106,8 @@ def owned_pattern(owned: OwnedFlag) -> str:
     argparse would expand to it (vLLM's parser allows abbreviations), dashes or underscores,
     with or without `=value`; the short form and its prefixes; a two-character short form with
     its value attached (`-n2`)."""
-    longs = [o.flag for o in _OWNED]
-    shorts = [o.short for o in _OWNED if o.short]
+    longs = [o.flag for o in OWNED_FLAGS]
+    shorts = [o.short for o in OWNED_FLAGS if o.short]
     # `--` and one character at least; vLLM takes `_` for an inner `-` in long flags only.
     alternatives = ["--" + _prefixes(owned.flag[2:], _shortest(owned.flag, longs, 3) - 2,
                                      dash="[-_]")]  # fmt: skip
@@ -119,8 +119,6 @@ def owned_pattern(owned: OwnedFlag) -> str:
                                                  _shortest(owned.short, shorts, 2) - 1))
     return f"^({'|'.join(alternatives)})(=.*)?$"
 
-
-OWNED_FLAGS = _OWNED
 
 # Variables the operator sets, and what to use instead; HF_TOKEN only as a literal.
 RESERVED_ENV = {
