@@ -263,3 +263,23 @@ def test_image_and_pull_settings(helm_bin: str) -> None:
     assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry-credentials"}]
     assert c["args"][-1] == "--verbose"
     assert {"name": "PYTHONASYNCIODEBUG", "value": "0"} in c["env"]
+
+
+def test_an_image_digest_pins_the_image_and_overrides_the_tag(helm_bin: str) -> None:
+    digest = "sha256:" + "0123456789abcdef" * 4
+    dep = _deployment((), ("image.tag=ignored", f"image.digest={digest}"))
+    assert _container(dep)["image"] == f"vllm-dp-operator@{digest}"
+
+
+@pytest.mark.parametrize("bad", ["0123abcd", "sha256:XYZ", "sha512:" + "a" * 64])
+def test_a_malformed_image_digest_fails_the_install(helm_bin: str, bad: str) -> None:
+    with pytest.raises(AssertionError, match=r"image.digest|/image/digest"):
+        chartlib.render((), (f"image.digest={bad}",))
+
+
+def test_image_pull_secrets_take_the_name_form_and_plain_names(helm_bin: str) -> None:
+    sets = ("imagePullSecrets[0].name=regcred", "imagePullSecrets[1]=legacy")
+    dep = _deployment((), sets)
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [
+        {"name": "regcred"}, {"name": "legacy"},
+    ]  # fmt: skip

@@ -120,3 +120,18 @@ runs with --namespace (to resolve namespace patterns), never with --all-namespac
   verbs: ["list", "watch"]
 {{- end }}
 {{- end }}
+
+{{/*
+The operator image: repository@digest when image.digest is set (the tag is then ignored),
+else repository:tag (the chart's appVersion when the tag is empty).
+*/}}
+{{- define "vllm-dp-operator.image" -}}
+{{- with .Values.image.digest -}}
+{{- if not (regexMatch "^sha256:[0-9a-f]{64}$" .) -}}
+{{- fail (printf "image.digest: %q is not sha256:<64 lowercase hex>" .) -}}
+{{- end -}}
+{{- printf "%s@%s" $.Values.image.repository . -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end }}
