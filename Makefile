@@ -15,7 +15,7 @@ EXAMPLE ?=
 SIM ?=
 NODES ?=
 
-.PHONY: help host-check host-install helm chart-lint venv lint crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
+.PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane \
         image engine-image e2e-kind images images-smoke
@@ -40,6 +40,9 @@ venv: $(BIN)/python ## Create .venv and install the operator, the launcher and t
 lint: ## ruff and mypy
 	$(BIN)/ruff check operator engine_image tests hack bench
 	$(BIN)/mypy operator/vllm_dp_operator engine_image/vllm_dp_launcher
+
+lock-operator: $(BIN)/python ## Re-pin operator/requirements.lock (the operator image's packages, with hashes; resolves on PyPI)
+	$(BIN)/python hack/lock_operator.py
 
 crds: ## Regenerate the CRD (crds/ and the chart) from the pydantic models
 	$(BIN)/python hack/gen_crds.py

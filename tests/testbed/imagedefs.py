@@ -104,6 +104,15 @@ class WheelBuild:
     def sources(self) -> tuple[Path, ...]:
         return tuple(self.context / s for srcs, _ in self.copies for s in srcs)
 
+    def into_wheel_dir(self) -> tuple[Path, ...]:
+        """Files the stage COPYs straight into its wheel directory (a lock file, say): the
+        runtime stage sees them beside the wheels."""
+        wheel_dir = Path(self.wheel_dir)
+        return tuple(
+            self.context / s for srcs, dest in self.copies
+            if Path(self.workdir) / dest == wheel_dir for s in srcs
+        )  # fmt: skip
+
     def assemble(self, into: Path) -> Path:
         """Copy the sources as the COPY lines would; return the workdir inside `into`."""
         for srcs, dest in self.copies:
@@ -140,6 +149,8 @@ class WheelBuild:
             cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir",
                    str(out), *self.paths]  # fmt: skip
             subprocess.run(cmd, cwd=work, check=True, stdout=sys.stderr)
+        for path in self.into_wheel_dir():
+            shutil.copy2(path, out / path.name)
         return sorted(out.glob("*.whl"))
 
 
@@ -196,6 +207,7 @@ class OperatorPlan:
 
     wheels: WheelBuild
     dependencies: tuple[str, ...]  # the wheels' requirements, less our own wheels
+    lock: Path | None  # the hash lock the builder puts beside the wheels, if any
     runs: tuple[tuple[str, dict[str, str], str], ...]  # (command, env, wheels mount target)
     config: oci.ImageConfig
 
@@ -227,14 +239,26 @@ def operator_plan(path: Path = OPERATOR_DOCKERFILE) -> OperatorPlan:
         if _requirement_name(str(d)) not in local
     })  # fmt: skip
     config = dockerfile.config(runtime, env=dict(BASE_ENV))
-    return OperatorPlan(wheels, tuple(deps), tuple(runs), config)
+    locks = [p for p in wheels.into_wheel_dir() if p.suffix == ".lock"]
+    if len(locks) > 1:
+        raise dockerfile.DockerfileError(f"{path}: more than one .lock beside the wheels")
+    return OperatorPlan(wheels, tuple(deps), locks[0] if locks else None, tuple(runs), config)
 
 
 def operator_layers(plan: OperatorPlan) -> LayerDef:
-    """base -> the wheels' dependencies -> the wheels and the Dockerfile's RUN lines."""
-    deps_script = "pip install -q " + " ".join(shlex.quote(d) for d in plan.dependencies) + "\n"
+    """base -> the wheels' dependencies -> the wheels and the Dockerfile's RUN lines.
+
+    The dependencies come from the Dockerfile's own hash lock when it has one (what the
+    shipped image installs), else unpinned from the wheels' requirements."""
     first_env = plan.runs[0][1] if plan.runs else {}
-    deps = _script_layer("operator-deps", base_layer(), deps_script, env=first_env)
+    if plan.lock is not None:
+        lock = f"/tmp/in/lock/{plan.lock.name}"
+        deps_script = f"pip install -q --no-deps --require-hashes -r {lock}\n"
+        deps = _script_layer("operator-deps", base_layer(), deps_script, env=first_env,
+                             binds={"lock": plan.lock.parent}, files=(plan.lock,))  # fmt: skip
+    else:
+        deps_script = "pip install -q " + " ".join(shlex.quote(d) for d in plan.dependencies)
+        deps = _script_layer("operator-deps", base_layer(), deps_script + "\n", env=first_env)
 
     def build(upper: Path, lowers: list[Path], logfile: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:

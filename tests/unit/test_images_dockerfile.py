@@ -180,3 +180,36 @@ def test_two_wheels_one_depending_on_the_other(tmp_path: Path) -> None:
     assert set(plan.wheels.sources()) == {
         tmp_path / "pyproject.toml", tmp_path / "README.md", tmp_path / "operator",
         tmp_path / "engine_image"}  # fmt: skip
+
+
+def test_the_operator_image_installs_its_dependencies_from_the_hash_lock() -> None:
+    """The shipped image and the test image both install the third-party set from
+    operator/requirements.lock with --require-hashes, and the lock still satisfies every
+    dependency pyproject.toml declares (edit one without re-locking and this fails)."""
+    plan = imagedefs.operator_plan()
+    assert plan.lock == REPO / "operator" / "requirements.lock"
+    install = plan.runs[0][0]
+    assert "--require-hashes -r /wheels/requirements.lock" in install
+    assert "--no-deps /wheels/*.whl" in install
+    sys.path.insert(0, str(REPO / "hack"))
+    import lock_operator
+
+    pins = lock_operator.read_lock()
+    assert lock_operator.unsatisfied(pins, lock_operator.requirements()) == []
+    assert all(len(digest) == 64 for _version, digest in pins.values())
+
+
+def test_the_shipped_dockerfiles_pin_their_base_images_by_digest() -> None:
+    """Every FROM of the operator's Dockerfile resolves to an image@sha256 (a stage name or an
+    ARG whose default is one)."""
+    text = (REPO / "Dockerfile").read_text()
+    stages = dockerfile.load(REPO / "Dockerfile")
+    names = {s.name for s in stages if s.name}
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0].upper() != "FROM":
+            continue
+        image = words[1]
+        if image.startswith("${"):
+            image = dockerfile.arg_default(text, image.strip("${}")) or image
+        assert image in names or "@sha256:" in image, f"{line!r}: not pinned by digest"
