@@ -6,8 +6,11 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 from fake_api import FakeApi
 from vllm_dp_operator import constants as c
+from vllm_dp_operator.controller import cache as cache_module
+from vllm_dp_operator.controller import informer as informer_module
 from vllm_dp_operator.controller.cache import (
     MANAGED_SELECTOR,
     CachedKube,
@@ -190,6 +193,40 @@ async def test_reflector_lists_in_pages_then_follows_the_watch() -> None:
         api.set_status(RAYCLUSTER, "default", "rc3", {"state": "ready"})
         await _until("the event after a renewed watch", lambda: seen[-1:] == ["rc3"])
         assert api.calls["list_page"] == 3 and reflector.lists == 1
+    finally:
+        task.cancel()
+
+
+class _PageLog(FakeApi):
+    """Logs each page request, beside the reflector's slim calls (see the test)."""
+
+    def __init__(self, sequence: list[str]) -> None:
+        super().__init__()
+        self.sequence = sequence
+
+    async def list_page(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.sequence.append("page")
+        return await super().list_page(*args, **kwargs)
+
+
+async def test_a_relist_slims_each_page_before_it_asks_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relist of 10,000 objects must not hold them all as the API sent them: each page is
+    slimmed (managedFields and pod templates dropped) before the next one is requested."""
+    log: list[str] = []
+
+    def logged_slim(kind: Kind, raw: dict[str, Any]) -> dict[str, Any]:
+        log.append("slim")
+        return cache_module.slim(kind, raw)
+
+    monkeypatch.setattr(informer_module, "slim", logged_slim, raising=False)
+    api = _PageLog(log)
+    for i in range(5):
+        api.put(RAYCLUSTER, obj(f"rc{i}"))
+    _reflector, _seen, task = await _reflect(api, RAYCLUSTER)
+    try:
+        assert log == ["page", "slim", "slim", "page", "slim", "slim", "page", "slim"]
     finally:
         task.cancel()
 

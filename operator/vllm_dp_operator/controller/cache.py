@@ -285,17 +285,18 @@ class ObjectCache:
             obj["metadata"]["deletionTimestamp"] = rfc3339(datetime.now(UTC))
 
     def replace(self, kind: Kind, raws: Iterable[Obj], namespace: str | None,
-                since: int = 0) -> list[Obj]:  # fmt: skip
+                since: int = 0, slimmed: bool = False) -> list[Obj]:  # fmt: skip
         """Swap in a fresh LIST's objects; return those added, changed or gone (to wake owners).
 
         Like client-go's DeltaFIFO.Replace: objects missing from the new list were deleted
         while no watch ran (after a 410), and their owners must hear about it. But an answer
         to a write of ours stored after the LIST began (`since`, this cache's `writes` then)
         is newer than the list, or missing from it: it stays, held for the watch to echo.
+        `slimmed`: the objects were slimmed already (a reflector slims each page as it comes).
         """
         fresh: dict[tuple[str, str], Obj] = {}
         for raw in raws:
-            obj = slim(kind, raw)
+            obj = raw if slimmed else slim(kind, raw)
             fresh[_key(obj)] = obj
         touched: list[Obj] = []
         objects, held = self._objects[kind], self._held[kind]

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from vllm_dp_operator.controller.cache import Obj, ObjectCache
+from vllm_dp_operator.controller.cache import Obj, ObjectCache, slim
 from vllm_dp_operator.controller.kube import Kind
 from vllm_dp_operator.controller.watch_health import WatchProblem, diagnose
 
@@ -190,13 +190,16 @@ class Reflector:
         while True:
             page = await self.api.list_page(self.kind, self.namespace, self.selector,
                                             self.page_size, cont)  # fmt: skip
-            items += page.get("items") or []
+            # Slimmed page by page: a relist holds at most one page as the API sent it (pod
+            # templates, managedFields), never the whole unslimmed list.
+            items += [slim(self.kind, raw) for raw in page.get("items") or []]
             meta = page.get("metadata") or {}
             cont = meta.get("continue")
+            del page
             if not cont:
                 break
         self.lists += 1
-        for obj in self.cache.replace(self.kind, items, self.namespace, since):
+        for obj in self.cache.replace(self.kind, items, self.namespace, since, slimmed=True):
             self.on_change(obj)
         return str(meta.get("resourceVersion") or "")
 
