@@ -171,7 +171,7 @@ class Config:
     #: the port may read it.
     metrics_auth: str = "kubernetes"
     #: VLLMDP_ENGINE_METRICS_MAX_BYTES: most bytes of vLLM's /metrics read per probe while
-    #: Serving (status.engines); the rest of a longer answer is not read.
+    #: Serving (status.load, the vllmdp_engine_* gauges); the rest of a longer answer is not read.
     engine_metrics_max_bytes: int = 4 * 1024 * 1024
     #: Leader election: VLLMDP_LEADER_ELECTION, VLLMDP_LEASE_*, VLLMDP_RENEW_DEADLINE_SECONDS,
     #: VLLMDP_RETRY_PERIOD_SECONDS, POD_NAME, POD_NAMESPACE.

@@ -143,6 +143,14 @@ def finished_in_prometheus(prom: Prometheus, vdp: Vdp) -> dict[str, float]:
     return {r["metric"]["engine"]: float(r["value"][1]) for r in prom.query(expr)}
 
 
+def in_flight_in_prometheus(prom: Prometheus, vdp: Vdp) -> dict[str, float]:
+    """Requests running plus waiting per engine, from vLLM's own gauges in Prometheus."""
+    sel = f'{{vllmdataparallel="{vdp.name}",namespace="{vdp.ns}"}}'
+    expr = (f"sum by (engine) (vllm:num_requests_running{sel}) + "
+            f"sum by (engine) (vllm:num_requests_waiting{sel})")  # fmt: skip
+    return {r["metric"]["engine"]: float(r["value"][1]) for r in prom.query(expr)}
+
+
 class Load:
     """Requests kept in flight from threads until stopped: each generates `tokens` tokens
     (ignore_eos), and a finished one is replaced at once, so the engines stay busy for as
@@ -185,7 +193,7 @@ def vdp_columns(vdp: Vdp) -> dict[str, str]:
     return dict(zip(head.split(), row.split(), strict=False))
 
 
-def test_prometheus_scrapes_vllm_and_status_engines_show_the_load(
+def test_prometheus_scrapes_vllm_and_status_load_follows(
     vdp: Vdp, tmp_path: Path
 ) -> None:
     base = f"http://{vdp.service_ip()}:{API_PORT}"
@@ -212,29 +220,31 @@ def test_prometheus_scrapes_vllm_and_status_engines_show_the_load(
         assert target["scrapeUrl"].endswith(f":{API_PORT}/metrics"), target
         before = wait("request_success_total of engines 0 and 1 in Prometheus", lambda: (
             f := finished_in_prometheus(prom, vdp)).keys() >= {"0", "1"} and f, 60)  # fmt: skip
-        # Idle first: both ranks listed, nothing running (the earlier requests are done).
-        idle = wait("status.engines: ranks 0 and 1, idle", lambda: (e := vdp.status().get(
-            "engines") or []) and [x["rank"] for x in e] == [0, 1] and all(
-            x["running"] == 0 and x["waiting"] == 0 for x in e) and e, 60)  # fmt: skip
-        note(f"idle: status.engines {idle}; Prometheus finished {before}")
+        # Idle first: both ranks report, nothing running (the earlier requests are done).
+        idle = wait("status.load: both ranks reporting, Idle", lambda: (
+            ld := vdp.status().get("load") or {}).get("ranksReporting") == 2 and ld.get(
+            "level") == "Idle" and ld, 120)  # fmt: skip
+        note(f"idle: status.load {idle}; Prometheus finished {before}")
 
         def loaded() -> dict[str, Any] | None:
-            st = vdp.status()
-            engines = st.get("engines") or []
-            busy = [x["rank"] for x in engines if x["running"] + x["waiting"] > 0]
-            if busy != [0, 1]:
+            # Each rank busy, in vLLM's own per-rank series (status holds no per-rank numbers),
+            # and the summary level moved off Idle, in status and in the LOAD column.
+            busy = in_flight_in_prometheus(prom, vdp)
+            if sorted(e for e, n in busy.items() if n > 0) != ["0", "1"]:
                 return None
-            cols = vdp_columns(vdp)  # the printer columns, read under the same load
-            return st if int(cols["RUNNING"]) + int(cols["WAITING"]) > 0 else None
+            st = vdp.status()
+            level = (st.get("load") or {}).get("level")
+            if level not in ("Busy", "Saturated"):
+                return None
+            return st if vdp_columns(vdp)["LOAD"] == level else None
 
         t0 = time.monotonic()
         with Load(base, threads=12, tokens=200) as load:
-            st = wait("status.engines: both ranks busy under load", loaded, 90)
-            note(f"under load after {time.monotonic() - t0:.0f}s: status.engines "
-                 f"{st['engines']}, running {st.get('requestsRunning')} waiting "
-                 f"{st.get('requestsWaiting')}")  # fmt: skip
-        assert st["requestsRunning"] + st["requestsWaiting"] == sum(
-            x["running"] + x["waiting"] for x in st["engines"]), st
+            # A level stands a minute before a new one replaces it, then the next probe says.
+            st = wait("both ranks busy in Prometheus, status.load off Idle", loaded, 150)
+            note(f"under load after {time.monotonic() - t0:.0f}s: status.load {st['load']}, "
+                 f"in flight per engine {in_flight_in_prometheus(prom, vdp)}")  # fmt: skip
+        assert "engines" not in st and "requestsRunning" not in st, st
         note(f"load: {load.done} requests finished, {len(load.errors)} errors")
         assert load.done > 0 and not load.errors, load.errors[:5]
         # Every request the load finished, counted on both engines.

@@ -62,11 +62,10 @@ def status(testbed: Any, ns: str, name: str) -> dict[str, Any]:
     return st
 
 
-def engines_of(testbed: Any, ns: str, name: str) -> list[dict[str, Any]]:
-    """status.engines of a resource: each DP rank's running, waiting and KV-cache use while
-    Serving."""
-    engines: list[dict[str, Any]] = status(testbed, ns, name).get("engines") or []
-    return engines
+def load_of(testbed: Any, ns: str, name: str) -> dict[str, Any]:
+    """status.load of a resource while Serving: its level, ranks reporting and since when."""
+    load: dict[str, Any] = status(testbed, ns, name).get("load") or {}
+    return load
 
 
 def items(testbed: Any, ns: str, kind: str, selector: str = "") -> list[dict[str, Any]]:

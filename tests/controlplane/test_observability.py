@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from scenario import (
     apply,
     double_in_pod_network,
-    engines_of,
     example,
     head_pod,
     items,
+    load_of,
     status,
     wait_phase,
 )
@@ -234,24 +234,23 @@ def test_prometheus_scrapes_operator_and_engines_status_and_events(
     apply(testbed, ns, doc)
     st = wait_phase(testbed, ns, NAME, "Launching")
     pod_ip = head_pod(testbed, ns, st["rayCluster"])["status"]["podIP"]
-    assert "engines" not in st and "requestsRunning" not in st  # nothing before Serving
+    assert "load" not in st  # nothing before Serving
     with double_in_pod_network(testbed, "health_server.py", 8000, "--ranks", str(RANKS)):
         wait_phase(testbed, ns, NAME, "Serving", timeout=60)
 
-        # status.engines: ranks 0-3 from the head's /metrics, at the probe's cadence.
-        engines = testbed.wait_until("status.engines with every rank",
-                                     lambda: len(engines_of(testbed, ns, NAME)) == RANKS
-                                     and engines_of(testbed, ns, NAME))  # fmt: skip
-        assert engines == [{"rank": r, "running": r + 1, "waiting": r,
-                            "kvCacheUsage": (r + 1) / 10} for r in range(RANKS)]  # fmt: skip
+        # status.load: ranks 0-3 report from the head's /metrics; ranks 1-3 have requests
+        # waiting, so the level is Saturated. The per-rank numbers are metrics, not status.
+        load = testbed.wait_until("status.load with every rank",
+                                  lambda: load_of(testbed, ns, NAME).get("ranksReporting")
+                                  == RANKS and load_of(testbed, ns, NAME))  # fmt: skip
+        assert load["level"] == "Saturated", load
         st = status(testbed, ns, NAME)
-        assert (st["requestsRunning"], st["requestsWaiting"]) == (10, 6)
+        assert "engines" not in st and "requestsRunning" not in st
         cond = next(x for x in st["conditions"] if x["type"] == "EnginesReporting")
         assert cond["status"] == "True" and cond["reason"] == "AllRanksReporting"
         table = testbed.kubectl("-n", ns, "get", "vdp", NAME).stdout.splitlines()
         header, row = table[0].split(), table[1].split()
-        assert dict(zip(header, row, strict=False))["RUNNING"] == "10", table
-        assert dict(zip(header, row, strict=False))["WAITING"] == "6", table
+        assert dict(zip(header, row, strict=False))["LOAD"] == "Saturated", table
 
         # Events: one per transition, a chain with no gap and no repeat; then, steady, none.
         chain = ["New -> Provisioning", "Provisioning -> Launching", "Launching -> Serving"]
@@ -273,6 +272,12 @@ def test_prometheus_scrapes_operator_and_engines_status_and_events(
         _wait_value(testbed, prometheus, "vllmdp_head_job_failures_total", 0)
         _wait_value(testbed, prometheus, "vllmdp_reconcile_errors_total", 0)
         _wait_value(testbed, prometheus, "vllmdp_time_to_serving_seconds_count", 1)
+        # Per-rank load, from the operator's last read of the head's /metrics.
+        for r in range(RANKS):
+            at = f'{{namespace="{ns}",name="{NAME}",rank="{r}"}}'
+            _wait_value(testbed, prometheus, f"vllmdp_engine_requests_running{at}", r + 1)
+            _wait_value(testbed, prometheus, f"vllmdp_engine_requests_waiting{at}", r)
+            _wait_value(testbed, prometheus, f"vllmdp_engine_kv_cache_usage{at}", (r + 1) / 10)
         ok = prometheus.value('vllmdp_reconcile_total{result="success"}') or 0
         assert ok >= 4, ok  # create, follow-ups, cluster ready, launch, serving probes
         total = prometheus.value("sum(vllmdp_reconcile_total)") or 0
@@ -296,7 +301,7 @@ def test_prometheus_scrapes_operator_and_engines_status_and_events(
 
     # vLLM gone: Launching again, one more event, the per-rank view removed.
     st = wait_phase(testbed, ns, NAME, "Launching", timeout=60)
-    assert "engines" not in st and "requestsRunning" not in st
+    assert "load" not in st
     cond = next(x for x in st["conditions"] if x["type"] == "EnginesReporting")
     assert cond["status"] == "Unknown" and cond["reason"] == "NotServing"
     testbed.wait_until("the Serving -> Launching event", lambda: phase_events(

@@ -75,8 +75,8 @@ def test_example_becomes_cluster_pods_head_job_and_service(
     conds = {c["type"]: c["status"] for c in st["conditions"]}
     assert conds["SpecValid"] == "True" and conds["ClusterReady"] == "True"
     table = testbed.kubectl("-n", ns, "get", "vdp", name).stdout.split("\n")
-    assert table[0].split() == ["NAME", "DP", "TP", "PODS", "PHASE", "RUNNING", "WAITING",
-                                "ENDPOINT", "AGE"]
+    assert table[0].split() == ["NAME", "DP", "TP", "PODS", "PHASE", "LOAD", "ENDPOINT",
+                                "AGE"]  # fmt: skip
     assert table[1].split()[1:5] == ["8", "1", "2", "Launching"]
 
 

@@ -10,7 +10,7 @@ from vllm_dp_operator.engines.engine_metrics import (
     EngineLoad,
     ExpositionError,
     complete_lines,
-    engines_view,
+    missing_ranks,
     parse_engine_loads,
     ranks_text,
 )
@@ -31,8 +31,7 @@ def test_reads_the_three_gauges_per_rank_and_nothing_else() -> None:
 def test_a_rank_that_stops_reporting_is_absent() -> None:
     text = "\n".join(line for line in SAMPLE.splitlines() if 'engine="1"' not in line)
     assert sorted(parse_engine_loads(text)) == [0]
-    view = engines_view(parse_engine_loads(text), data_parallel_size=2)
-    assert view.missing == [1] and view.running == 3 and view.waiting == 0
+    assert missing_ranks(parse_engine_loads(text), data_parallel_size=2) == [1]
 
 
 def test_label_order_escapes_and_timestamps() -> None:
@@ -60,11 +59,6 @@ def test_a_cut_response_loses_only_its_partial_last_line() -> None:
     assert complete_lines("no newline") == ""
 
 
-def test_view_totals_and_missing_ranks() -> None:
-    view = engines_view(parse_engine_loads(SAMPLE), data_parallel_size=4)
-    assert view.engines == [
-        {"rank": 0, "running": 3, "waiting": 0, "kvCacheUsage": 0.125},
-        {"rank": 1, "running": 5, "waiting": 2, "kvCacheUsage": 0.375},
-    ]
-    assert (view.running, view.waiting, view.missing) == (8, 2, [2, 3])
+def test_missing_ranks_and_their_text() -> None:
+    assert missing_ranks(parse_engine_loads(SAMPLE), data_parallel_size=4) == [2, 3]
     assert ranks_text([7, 0, 2, 3, 4]) == "0, 2-4, 7"

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_controller import KEY, Bed, FlakyApi
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB
+from vllm_dp_operator.engines.engine_metrics import EngineLoad
 from vllm_dp_operator.observability.metrics import NAMES, OperatorMetrics, result_of
 from vllm_dp_operator.observability.metrics_http import serve_metrics
 from vllm_dp_operator.reconcile.outcome import Event, Outcome
@@ -145,3 +146,32 @@ async def test_served_over_http_in_the_text_format() -> None:
                for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples[("vllmdp_reconcile_total", (("result", "success"),))] == 1
     assert samples[("vllmdp_resources", (("phase", "Launching"),))] == 1
+
+
+def gone(m: OperatorMetrics, at: dict[str, str]) -> bool:
+    sample = {**at, "rank": "0"}
+    return m.registry.get_sample_value("vllmdp_engine_requests_running", sample) is None
+
+
+def test_per_rank_load_is_a_metric_while_serving_and_goes_after() -> None:
+    """Per-rank numbers live in the metrics (status only has a summary): set from the
+    reconcile that read them, kept through a reconcile that read nothing while Serving, gone
+    when the resource stops Serving, is deleted, or is no longer listed."""
+    listed = [(("ns", "a"), {"phase": c.PHASE_SERVING})]
+    m = OperatorMetrics(lambda: listed)
+    loads = {0: EngineLoad(0, 3, 0, 0.125), 1: EngineLoad(1, 5, 2, 0.375)}
+    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_SERVING}, engine_loads=loads))
+    at = {"namespace": "ns", "name": "a"}
+    assert value(m, "vllmdp_engine_requests_running", **at, rank="1") == 5
+    assert value(m, "vllmdp_engine_requests_waiting", **at, rank="1") == 2
+    assert value(m, "vllmdp_engine_kv_cache_usage", **at, rank="0") == 0.125
+    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_SERVING}))  # read nothing: kept
+    assert value(m, "vllmdp_engine_requests_running", **at, rank="0") == 3
+    listed.clear()  # the owner cache no longer lists it: its series go at once
+    assert gone(m, at)
+    listed.append((("ns", "a"), {"phase": c.PHASE_SERVING}))
+    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_LAUNCHING}))  # not Serving: forgotten
+    assert gone(m, at)
+    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_SERVING}, engine_loads=loads))
+    m.forget(("ns", "a"))
+    assert gone(m, at)

@@ -16,8 +16,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "TP", "type": "integer", "jsonPath": ".spec.tensorParallelSize"},
     {"name": "Pods", "type": "integer", "jsonPath": ".status.layout.gpuPods"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "Running", "type": "integer", "jsonPath": ".status.requestsRunning"},
-    {"name": "Waiting", "type": "integer", "jsonPath": ".status.requestsWaiting"},
+    {"name": "Load", "type": "string", "jsonPath": ".status.load.level"},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

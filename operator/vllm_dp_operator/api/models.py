@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 from pydantic.alias_generators import to_camel
@@ -340,15 +340,20 @@ class Layout(ApiModel):
     pods: list[PodLayout] = Field(default_factory=list, description="Per-pod placement.")
 
 
-class EngineStatus(ApiModel):
-    """One DP rank's load, as vLLM's /metrics reports it (label `engine`)."""
+class LoadSummary(ApiModel):
+    """The engines' load in a word, written only when it changes (engines/load_summary.py).
 
-    rank: int = Field(description="DP rank (vLLM's `engine` label).")
-    running: int = Field(description="Requests running on the rank (vllm:num_requests_running).")
-    waiting: int = Field(description="Requests waiting on the rank (vllm:num_requests_waiting).")
-    kv_cache_usage: float = Field(
-        description="KV-cache use of the rank, 0 to 1 (vllm:kv_cache_usage_perc)."
+    Per-rank numbers are metrics (`vllmdp_engine_*`, and vLLM's own series), not status.
+    """
+
+    level: Literal["Idle", "Busy", "Saturated"] = Field(
+        description="Idle: no request running or waiting on any rank. Busy: requests running, "
+        "none waiting, every rank's KV cache below 90%. Saturated: some rank has requests "
+        "waiting or its KV cache at 90% or more. A new level replaces one that has stood a "
+        "minute; until then the old one stays."
     )
+    ranks_reporting: int = Field(description="Planned DP ranks that report in vLLM's /metrics.")
+    since: str = Field(description="When the level last changed (RFC 3339).")
 
 
 class VLLMDataParallelStatus(ApiModel):
@@ -397,15 +402,9 @@ class VLLMDataParallelStatus(ApiModel):
     probe_failing_since: str | None = Field(
         default=None, description="When the first of those failed probes was seen (RFC 3339)."
     )
-    engines: list[EngineStatus] | None = Field(
+    load: LoadSummary | None = Field(
         default=None,
-        description="While Serving: each DP rank's load from the head's /metrics, read at the "
-        "/health probe's cadence. A planned rank missing here is named in the "
-        "EnginesReporting condition.",
-    )
-    requests_running: int | None = Field(
-        default=None, description="While Serving: requests running, all ranks together."
-    )
-    requests_waiting: int | None = Field(
-        default=None, description="While Serving: requests waiting, all ranks together."
+        description="While Serving: the engines' load level and how many ranks report, read "
+        "from the head's /metrics at the /health probe's cadence. A planned rank missing is "
+        "named in the EnginesReporting condition.",
     )

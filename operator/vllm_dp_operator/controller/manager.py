@@ -422,6 +422,7 @@ class Controller:
             return None
         self.reconciles += 1
         self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
+        self.metrics.engine_loads(key, outcome)
         self._settled(key)
         again = watched_again(outcome.status["conditions"], outcome.status["observedGeneration"],
                               now)  # fmt: skip
@@ -480,6 +481,7 @@ class Controller:
         cached = self.cache.peek(VDP, *key)
         self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1], "uid": uid}})
         self.status.forget(key, uid)
+        self.metrics.forget(key)
         if cached is not None and uid and cached["metadata"].get("uid") != uid:
             return  # another resource of the same name lives on in the cache
         self.queue.drop(key)

@@ -1,4 +1,6 @@
-"""vLLM's /metrics read down to what status.engines shows: load per DP rank. Pure, no I/O.
+"""vLLM's /metrics read down to the load per DP rank (status.load, the vllmdp_engine_* gauges).
+
+Pure, no I/O.
 
 vLLM 0.33 labels every engine series with `model_name` and `engine` (the DP rank), and with
 vLLM balancing load one API server reports every rank. Of the whole exposition (hundreds of
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_CACHE = "vllm:kv_cache_usage_perc"
-#: The series status.engines is made of (exposition name -> field).
+#: The series read (exposition name -> field).
 WANTED: Mapping[str, str] = {RUNNING: "running", WAITING: "waiting", KV_CACHE: "kv"}
 _PREFIXES = tuple(WANTED)
 
@@ -128,27 +130,6 @@ def ranks_text(ranks: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-@dataclass(frozen=True)
-class EnginesView:
-    """status.engines and its totals, plus the planned ranks that reported nothing."""
-
-    engines: list[dict[str, float | int]]
-    running: int
-    waiting: int
-    missing: list[int]
-
-
-def engines_view(loads: Mapping[int, EngineLoad], data_parallel_size: int) -> EnginesView:
-    """The status view of one /metrics reading against the planned ranks 0..size-1."""
-    engines = [
-        {"rank": load.rank, "running": load.running, "waiting": load.waiting,
-         "kvCacheUsage": load.kv_cache_usage}
-        for load in sorted(loads.values(), key=lambda x: x.rank)
-    ]  # fmt: skip
-    missing = [r for r in range(data_parallel_size) if r not in loads]
-    return EnginesView(
-        engines,
-        sum(load.running for load in loads.values()),
-        sum(load.waiting for load in loads.values()),
-        missing,
-    )
+def missing_ranks(loads: Mapping[int, EngineLoad], data_parallel_size: int) -> list[int]:
+    """The planned ranks 0..size-1 that one /metrics reading has nothing for."""
+    return [r for r in range(data_parallel_size) if r not in loads]

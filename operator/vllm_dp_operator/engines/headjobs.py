@@ -18,7 +18,7 @@ from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.kube import POD, RAYJOB, AlreadyExists, Kube
-from vllm_dp_operator.engines.engine_metrics import engines_view, ranks_text
+from vllm_dp_operator.engines.engine_metrics import missing_ranks, ranks_text
 from vllm_dp_operator.engines.jobstate import (
     JobState,
     StopStep,
@@ -31,6 +31,7 @@ from vllm_dp_operator.engines.jobstate import (
     stop_step,
     submission_id,
 )
+from vllm_dp_operator.engines.load_summary import summarize
 from vllm_dp_operator.engines.probe import HealthProbe, ProbeResult
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan
@@ -187,21 +188,22 @@ class HeadJobs:
         return f"stopping head job {name} because {why} ({detail})"
 
     async def _read_engines(self) -> None:
-        """status.engines from the head's /metrics, and which planned ranks did not report."""
+        """status.load from the head's /metrics, and which planned ranks did not report."""
         reading = await self.probe.engines(
             self.ns, names.head_service(self.cluster), self.spec.service.port
         )
         expected = self.plan.data_parallel_size
         if reading.loads is None:
+            self.st.doc["load"] = self.st.prev.get("load")  # what it last was, until read again
             self.st.cond(c.COND_ENGINES_REPORTING, False, c.REASON_METRICS_UNAVAILABLE,
                          f"vLLM's /metrics could not be read: {reading.detail}")  # fmt: skip
             return
-        view = engines_view(reading.loads, expected)
-        self.st.doc.update(engines=view.engines, requestsRunning=view.running,
-                           requestsWaiting=view.waiting)  # fmt: skip
-        if view.missing:
+        missing = missing_ranks(reading.loads, expected)
+        self.st.engine_loads = reading.loads
+        self.st.doc["load"] = summarize(reading.loads, self.st.prev.get("load"), self.st.now)
+        if missing:
             self.st.cond(c.COND_ENGINES_REPORTING, False, c.REASON_RANKS_MISSING,
-                         f"DP rank(s) {ranks_text(view.missing)} of 0-{expected - 1} report "
+                         f"DP rank(s) {ranks_text(missing)} of 0-{expected - 1} report "
                          f"nothing in vLLM's /metrics ({reading.detail})")  # fmt: skip
         else:
             self.st.cond(c.COND_ENGINES_REPORTING, True, c.REASON_RANKS_REPORTING,

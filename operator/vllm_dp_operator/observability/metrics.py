@@ -64,6 +64,11 @@ NAMES = {
     "(status.launchAttempts).",
     "vllmdp_resource_consecutive_failures": "Head-job failures of a resource since it last "
     "served (status.consecutiveFailures).",
+    "vllmdp_engine_requests_running": "Requests running on a DP rank of a Serving resource, at "
+    "the operator's last read of its vLLM /metrics; labelled with namespace, name and rank.",
+    "vllmdp_engine_requests_waiting": "Requests waiting on a DP rank, at the operator's last read.",
+    "vllmdp_engine_kv_cache_usage": "KV-cache use of a DP rank, 0 to 1, at the operator's last "
+    "read.",
     "vllmdp_watch_ready": "1 while a child kind is listed and served (not refused with 404 or "
     "403), else 0; labelled with the kind, e.g. rayclusters.ray.io/v1.",
     "vllmdp_watch_failures_total": "Failed LISTs and WATCHes of a child kind, by reason: "
@@ -103,6 +108,39 @@ class ResourceCollector(Collector):
         for name, n in sorted(phases.items()):
             counts.add_metric([name], float(n))
         yield from (counts, phase, launches, failures)
+
+
+class EngineLoadCollector(Collector):
+    """Per-rank load of the Serving resources, as the reconciles last read it from vLLM.
+
+    Kept out of status (a write per probe, engines/load_summary.py); a resource's series go
+    when it stops Serving or is deleted (only resources the owner cache lists are shown).
+    """
+
+    def __init__(
+        self, loads: Mapping[Key, Mapping[int, Any]],
+        resources: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]],
+    ) -> None:  # fmt: skip
+        self._loads, self._resources = loads, resources
+
+    def collect(self) -> Iterator[Metric]:
+        """Three gauges per rank: running, waiting, KV-cache use."""
+        labels = ["namespace", "name", "rank"]
+        running, waiting, kv = (
+            GaugeMetricFamily(n, NAMES[n], labels=labels)
+            for n in ("vllmdp_engine_requests_running", "vllmdp_engine_requests_waiting",
+                      "vllmdp_engine_kv_cache_usage")
+        )  # fmt: skip
+        known = {key for key, _status in self._resources()} if self._loads else set()
+        for key, loads in list(self._loads.items()):
+            if key not in known:
+                continue
+            for rank, load in sorted(loads.items()):
+                at = [key[0], key[1], str(rank)]
+                running.add_metric(at, float(load.running))
+                waiting.add_metric(at, float(load.waiting))
+                kv.add_metric(at, float(load.kv_cache_usage))
+        yield from (running, waiting, kv)
 
 
 @dataclass(frozen=True)
@@ -161,6 +199,21 @@ class OperatorMetrics:
                                          buckets=SERVING_BUCKETS, registry=reg)  # fmt: skip
         reg.register(ResourceCollector(resources or list))
         reg.register(WatchCollector(watches or list))
+        #: Per-rank load by resource, from the reconciles' latest /metrics reads.
+        self._engine_loads: dict[Key, Mapping[int, Any]] = {}
+        reg.register(EngineLoadCollector(self._engine_loads, resources or list))
+
+    def engine_loads(self, key: Key, outcome: Outcome) -> None:
+        """Keep the per-rank load a reconcile read; forget it once the resource is not
+        Serving (a reconcile that read nothing while Serving keeps the last reading)."""
+        if outcome.engine_loads is not None:
+            self._engine_loads[key] = dict(outcome.engine_loads)
+        elif outcome.status.get("phase") != c.PHASE_SERVING:
+            self._engine_loads.pop(key, None)
+
+    def forget(self, key: Key) -> None:
+        """A deleted resource's load goes with it."""
+        self._engine_loads.pop(key, None)
 
     def reconciled(self, result: str, seconds: float) -> None:
         """Count one reconcile and its duration."""

@@ -54,13 +54,18 @@ class Outcome:
     #: Seconds until a time-based step is due (a backoff's end, a stop's next check, the
     #: launch deadline), else None: the controller schedules a reconcile for then.
     retry_after: float | None = None
+    #: Per-rank load read this reconcile (engine_metrics.EngineLoad by rank), else None.
+    engine_loads: Mapping[int, Any] | None = None
 
 
 # Status keys carried over from one reconcile to the next (the rest is recomputed).
 _CARRIED = ("lastFailedJob", "lastFailureTime", "lastFailureReason", "headJob", "servedJob",
             "probeFailures", "probeFailingSince")
 # Status keys only a Serving reconcile fills (from vLLM's /metrics); None removes them.
-ENGINE_KEYS = ("engines", "requestsRunning", "requestsWaiting")
+ENGINE_KEYS = ("load",)
+#: Per-rank load and totals, which earlier versions wrote on every probe: removed from a status
+#: that still holds them (the numbers are metrics now, engines/load_summary.py).
+_RETIRED_KEYS = ("engines", "requestsRunning", "requestsWaiting")
 #: Set by the step they belong to, else removed (a merge patch of None).
 _STEP_KEYS = ("nextLaunchTime", "launchDeadline")
 
@@ -79,9 +84,11 @@ class StatusDoc:
             "launchAttempts": int(prev.get("launchAttempts") or 0),
             "consecutiveFailures": int(prev.get("consecutiveFailures") or 0),
             **{key: prev.get(key) for key in _CARRIED},
-            **{key: None for key in (*ENGINE_KEYS, *_STEP_KEYS)},
+            **{key: None for key in (*ENGINE_KEYS, *_STEP_KEYS, *_RETIRED_KEYS)},
         }
         self.events: list[Event] = []
+        #: The per-rank load this reconcile read from vLLM's /metrics, for the metrics.
+        self.engine_loads: Mapping[int, Any] | None = None
         self.retry_after: float | None = None
 
     def cond(self, type_: str, ok: bool | None, reason: str, message: str) -> None:
@@ -119,4 +126,4 @@ class StatusDoc:
         ):  # fmt: skip
             self.cond(c.COND_ENGINES_REPORTING, None, c.REASON_NOT_SERVING,
                       f"Engines report load only while Serving; the phase is {new}")
-        return Outcome(self.doc, self.events, self.retry_after)
+        return Outcome(self.doc, self.events, self.retry_after, self.engine_loads)
