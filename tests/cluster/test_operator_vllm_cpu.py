@@ -9,8 +9,8 @@ data-parallel backend places one engine on each pod.
 Observability on real engines (issue 12): a real Prometheus on the host (Debian's package)
 scrapes the head pod's vLLM through the chart's own PodMonitor, rendered with the values the
 bed installs with and turned into a scrape job over the bed's pods (promlib: Debian's build
-has no kubernetes_sd); and status.engines, refreshed at each Serving probe, shows the load of
-requests kept in flight on both ranks.
+has no kubernetes_sd); vLLM's per-rank gauges show requests kept in flight on both ranks,
+and status.load moves off Idle.
 """
 
 from __future__ import annotations

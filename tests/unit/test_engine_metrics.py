@@ -1,4 +1,4 @@
-"""The /metrics parser behind status.engines, over vLLM 0.33's exposition text (labels
+"""The /metrics parser behind status.load and the per-rank gauges, over vLLM 0.33's exposition text (labels
 `model_name` and `engine`), and the status view made of it."""
 
 from __future__ import annotations
