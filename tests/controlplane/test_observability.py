@@ -6,7 +6,8 @@ KubeRay and kwok; the vLLM test double (tests/doubles/health_server.py, four DP 
 a scrape job made from the chart's own PodMonitor (label selector, port name, relabelings over
 the pods read from the API server, as kubernetes_sd labels them: Debian's Prometheus 2.42 is
 built without kubernetes_sd), the double on the head pod's IP. The test reads both back with PromQL,
-and reads status.load, the per-rank vllmdp_engine_* gauges, `kubectl get vdp` and the Events from the API server.
+and reads status.load, the per-rank vllmdp_engine_* gauges, `kubectl get vdp` and the Events
+from the API server.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The /metrics parser behind status.load and the per-rank gauges, over vLLM 0.33's exposition text (labels
-`model_name` and `engine`), and the status view made of it."""
+"""The /metrics parser behind status.load and the per-rank gauges, over vLLM 0.33's
+exposition text (labels `model_name` and `engine`), and the ranks that report nothing."""
 
 from __future__ import annotations
 
