@@ -55,10 +55,12 @@ class FakeRayJobs:
         # Like Ray with RAY_AUTH_MODE=token: when set, a call without it is refused.
         self.required_token: str | None = None
         self.tokens: list[str | None] = []  # the token each call carried
+        self.replaced_token: str | None = None  # a token Secret someone else replaced
 
     def _refused(self, token: str | None) -> str | None:
         self.tokens.append(token)
-        if self.required_token is None or token == self.required_token:
+        required = self.replaced_token or self.required_token
+        if required is None or token == required:
             return None
         return "dashboard: HTTP 401" if token is None else "dashboard: HTTP 403"
 
