@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 
 from vllm_dp_operator import constants
+from vllm_dp_operator.engines.ray_auth import RayTokens
 
 
 def _env_float(name: str, default: float) -> float:
@@ -181,6 +182,11 @@ class Config:
     readiness_port: int = 8082
     #: VLLMDP_READINESS_HOST: address the readiness server binds (the chart: all interfaces).
     readiness_host: str = "0.0.0.0"
+    #: VLLMDP_RAY_AUTH_KEY_FILE: a file holding the operator's Ray auth key (the chart mounts
+    #: a Secret of the release namespace). Each resource's Ray token is derived from it, so
+    #: every replica and every restart computes the same tokens without reading a Secret.
+    #: Unset: a random key for this process only (a lone process for development).
+    ray_tokens: RayTokens = field(default_factory=RayTokens.random)
 
     @classmethod
     def from_env(cls) -> Config:
@@ -212,6 +218,7 @@ class Config:
             election=LeaderElection.from_env(),
             readiness_port=_env_int("VLLMDP_READINESS_PORT", 8082),
             readiness_host=os.environ.get("VLLMDP_READINESS_HOST") or "0.0.0.0",
+            ray_tokens=RayTokens.from_file(os.environ.get("VLLMDP_RAY_AUTH_KEY_FILE") or ""),
         )
 
     def backoff(self, consecutive_failures: int) -> float:

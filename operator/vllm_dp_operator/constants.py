@@ -43,6 +43,12 @@ CLUSTER_HASH_SUFFIX: Final = 6  # "-" + 5 hex characters of the shape hash
 ATTEMPT_SUFFIX: Final = 7  # "-j" + 5 base-36 digits of the attempt (see names.head_job)
 HEAD_SERVICE_SUFFIX: Final = "-head-svc"  # KubeRay's head Service: <cluster>-head-svc
 API_SERVICE_SUFFIX: Final = "-api"
+RAY_TOKEN_SECRET_SUFFIX: Final = "-ray-token"
+# KubeRay reads the token from this key of authOptions.secretName (utils/constant.go
+# RAY_AUTH_TOKEN_SECRET_KEY), and Ray's dashboard takes it in this header too: the API
+# server's service proxy consumes `Authorization` itself, so KubeRay sends this one.
+RAY_TOKEN_SECRET_KEY: Final = "auth_token"
+RAY_AUTH_HEADER: Final = "x-ray-authorization"
 MAX_NAME_LENGTH: Final = min(
     KUBERAY_MAX_RAYJOB_NAME - ATTEMPT_SUFFIX,
     KUBERAY_MAX_RAYCLUSTER_NAME - CLUSTER_HASH_SUFFIX,
@@ -87,6 +93,7 @@ MANAGER: Final = "vllm-dp-operator"
 COMPONENT_ENGINE: Final = "engine"
 COMPONENT_HEAD_JOB: Final = "head-job"
 COMPONENT_API: Final = "api"
+COMPONENT_RAY_AUTH: Final = "ray-auth"
 
 # Phases.
 PHASE_INVALID: Final = "Invalid"
@@ -114,6 +121,8 @@ REASON_CLUSTER_CREATED: Final = "RayClusterCreated"
 REASON_CLUSTER_RESHAPED: Final = "RayClusterReshaped"
 REASON_CLUSTER_READY: Final = "RayClusterReady"
 REASON_PODS_PENDING: Final = "PodsPending"
+# KubeRay's pod creates are refused (PodSecurity or another admission, a ResourceQuota).
+REASON_PODS_REFUSED: Final = "PodsRefused"
 REASON_WAITING_FOR_NODES: Final = "WaitingForRayNodes"
 REASON_SUSPENDED: Final = "Suspended"
 REASON_JOB_CREATED: Final = "HeadJobCreated"

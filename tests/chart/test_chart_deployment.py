@@ -26,7 +26,7 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_ENGINE_METRICS_MAX_BYTES", "VLLMDP_LEADER_ELECTION",
              "VLLMDP_LEASE_NAME", "VLLMDP_LEASE_DURATION_SECONDS",
              "VLLMDP_RENEW_DEADLINE_SECONDS", "VLLMDP_RETRY_PERIOD_SECONDS",
-             "VLLMDP_READINESS_PORT"]
+             "VLLMDP_READINESS_PORT", "VLLMDP_RAY_AUTH_KEY_FILE"]
 
 
 def _deployment(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -236,8 +236,42 @@ def test_operator_reads_the_rendered_environment(
     config = pytest.importorskip("vllm_dp_operator.config")
     for name, value in _env(_deployment()).items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("VLLMDP_RAY_AUTH_KEY_FILE", "")  # the mount: see the next test
     read = config.Config.from_env()
     assert read.engine_metrics_max_bytes == config.Config().engine_metrics_max_bytes == 4194304
+
+
+def test_the_ray_auth_key_is_a_mounted_secret_the_operator_reads(
+    helm_bin: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import base64
+
+    config = pytest.importorskip("vllm_dp_operator.config")
+    objects = chartlib.render()
+    dep = chartlib.by_kind(objects, "Deployment")[0]
+    (secret,) = [s for s in chartlib.by_kind(objects, "Secret")
+                 if s["metadata"]["name"] == "vdp-vllm-dp-operator-ray-auth-key"]  # fmt: skip
+    # Kept on upgrade (read back live) and on uninstall: tokens of surviving resources hold.
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    key = base64.b64decode(secret["data"]["key"])
+    assert len(key) >= 32
+    path = _env(dep)["VLLMDP_RAY_AUTH_KEY_FILE"]
+    (volume,) = [v for v in dep["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == "ray-auth-key"]  # fmt: skip
+    (mount,) = [m for m in _container(dep)["volumeMounts"] if m["name"] == "ray-auth-key"]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"] and mount["readOnly"]
+    (item,) = volume["secret"]["items"]
+    assert path == f"{mount['mountPath']}/{item['path']}" and item["key"] == "key"
+    (tmp_path / "key").write_bytes(key)
+    monkeypatch.setenv("VLLMDP_RAY_AUTH_KEY_FILE", str(tmp_path / "key"))
+    tokens = config.Config.from_env().ray_tokens
+    assert tokens.token("ns", "a") == config.RayTokens(key).token("ns", "a")
+    # An existing Secret instead: the chart makes none and mounts that one.
+    own = chartlib.render((), ("rayAuth.existingKeySecret=mine",))
+    assert not [s for s in chartlib.by_kind(own, "Secret") if "ray-auth" in s["metadata"]["name"]]
+    (volume,) = [v for v in chartlib.by_kind(own, "Deployment")[0]["spec"]["template"]["spec"]
+                 ["volumes"] if v["name"] == "ray-auth-key"]  # fmt: skip
+    assert volume["secret"]["secretName"] == "mine"
 
 
 def test_cluster_domain_reaches_the_operator(

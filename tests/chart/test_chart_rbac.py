@@ -28,6 +28,8 @@ REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
     # Read, and label the head pod while its vLLM answers (the API Service selects it).
     + [("", "pods", v) for v in ("get", "list", "watch", "patch")]
     + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]
+    # Each resource's Ray token Secret: created only; the token is derived, never read back.
+    + [("", "secrets", "create")]
 )
 # kopf 1.45 (kopf/_core/reactor/observation.py): watches CRDs always; lists/watches Namespaces
 # only in --namespace mode. Cluster-scoped, read-only; switched by rbac.frameworkObservation.
@@ -59,7 +61,7 @@ FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
 # `update` only where a finalizer subresource needs it; everything else is patched.
 UPDATE_ALLOWED = {("vllmdp.io", "vllmdataparallels/finalizers"),
                   ("coordination.k8s.io", "leases")}
-FORBIDDEN_RESOURCES = {"*", "secrets", "pods/exec", "pods/attach", "pods/portforward",
+FORBIDDEN_RESOURCES = {"*", "pods/exec", "pods/attach", "pods/portforward",
                        "serviceaccounts/token", "nodes", "configmaps"}
 
 CI = {p.stem: p for p in chartlib.CI_VALUES}
@@ -81,6 +83,7 @@ def test_no_wildcards_no_secrets_no_escalation(helm_bin: str, values: tuple[Path
         assert g.verb not in FORBIDDEN_VERBS, g
         assert g.verb != "update" or (g.group, g.resource) in UPDATE_ALLOWED, g
         assert g.resource not in FORBIDDEN_RESOURCES, g
+        assert g.resource != "secrets" or g.verb == "create", g  # never read one
         assert (g.resource, g.verb) not in {("pods", "create"), ("pods", "delete")}, g
         assert g.group not in ("rbac.authorization.k8s.io", "apps", "batch"), g
 

@@ -11,6 +11,11 @@ scrapes the head pod's vLLM through the chart's own PodMonitor, rendered with th
 bed installs with and turned into a scrape job over the bed's pods (promlib: Debian's build
 has no kubernetes_sd); vLLM's per-rank gauges show requests kept in flight on both ranks,
 and status.load moves off Idle.
+
+Secure by default (issue 19), on the same one deployment: the namespace enforces Pod Security
+`restricted`, the API key comes from a Secret through `spec.apiKeySecretRef`, and Ray token
+authentication is on (the default): the dashboard refuses a request without the token, while
+the operator's /health probe, its stop-and-confirm and KubeRay's submission and deletion work.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import pytest
 import yaml
 
 from .bed import REPO, RunningCluster
-from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
+from .vdp import API_PORT, Vdp, http, http_status, import_engine, own_namespace
 
 # isort: split
 # tests/testbed is on sys.path once .vdp is imported.
@@ -41,11 +46,16 @@ pytestmark = pytest.mark.cluster
 IMAGE = "vllm-dp-engine-cpu"
 EXAMPLE = REPO / "examples" / "dev-cpu.yaml"
 NS = "t-vllm-cpu"
+# The API key clients must send: a test value, in a Secret the spec refers to.
+API_KEY = "sk-test-" + "5e1f" * 8
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def example(ns: str, max_model_len: int | None = None) -> dict[str, Any]:
+    """The checked-in example, plus the API key from the test's Secret."""
     doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["namespace"] = ns
+    doc["spec"]["apiKeySecretRef"] = {"name": "api-key", "key": "key"}
     if max_model_len is not None:
         args = doc["spec"]["engineArgs"]
         args[:] = [f"--max-model-len={max_model_len}" if a.startswith("--max-model-len")
@@ -61,6 +71,11 @@ def note(msg: str) -> None:
 def vdp(operator: RunningCluster) -> Iterator[Vdp]:
     note(import_engine(operator, IMAGE))
     own_namespace(operator, NS)
+    # PodSecurity admission refuses any Ray pod that is not `restricted`, KubeRay's included.
+    operator.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted",
+                     "pod-security.kubernetes.io/enforce-version=latest")  # fmt: skip
+    operator.kubectl("create", "secret", "generic", "api-key", "-n", NS,
+                     f"--from-literal=key={API_KEY}")  # fmt: skip
     doc = example(NS)
     v = Vdp(operator, NS, doc["metadata"]["name"])
     t0 = time.monotonic()
@@ -79,7 +94,8 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
 
 def completion(url: str, via: Any) -> dict[str, Any]:
     out: dict[str, Any] = via(f"{url}/v1/completions",
-                              {"model": "tiny", "prompt": "hello world", "max_tokens": 4})
+                              {"model": "tiny", "prompt": "hello world", "max_tokens": 4},
+                              headers=AUTH)  # fmt: skip
     return out
 
 
@@ -94,9 +110,56 @@ def test_serving_on_two_nodes_and_answers(vdp: Vdp) -> None:
         assert out["object"] == "text_completion" and out["model"] == "tiny"
         assert out["usage"]["completion_tokens"] >= 1 and len(out["choices"]) == 1
         chat = via(f"{base}/v1/chat/completions", {"model": "tiny", "max_tokens": 4,
-                   "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+                   "messages": [{"role": "user", "content": "hello"}]}, headers=AUTH)  # fmt: skip
         assert chat["object"] == "chat.completion"
         assert chat["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_restricted_namespace_admits_the_ray_pods_and_they_run_restricted(vdp: Vdp) -> None:
+    ns = vdp.cluster.kubectl_json("get", "namespace", vdp.ns)["metadata"]["labels"]
+    assert ns["pod-security.kubernetes.io/enforce"] == "restricted"
+    for pod in vdp.pods().values():
+        spec = pod["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"] + spec.get("initContainers", []):
+            ctx = c["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False and ctx["runAsNonRoot"], c["name"]
+
+
+def test_the_api_key_is_required_and_health_stays_open(vdp: Vdp) -> None:
+    base = f"http://{vdp.service_ip()}:{API_PORT}"
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    assert http_status(f"{base}/v1/completions", body=body) == 401
+    assert http_status(f"{base}/v1/completions", {"Authorization": "Bearer wrong"}, body) == 401
+    assert http_status(f"{base}/v1/completions", AUTH, body) == 200
+    # The operator's probe reads /health without a key; so does this, and it answers.
+    assert http_status(f"{base}/health") == 200
+    # The key reaches the pods by reference only: no literal in the RayCluster or RayJob.
+    for kind in ("raycluster", "rayjob"):
+        text = vdp.cluster.kubectl("get", kind, "-n", vdp.ns, "-o", "json").stdout
+        assert API_KEY not in text, kind
+
+
+def test_the_ray_dashboard_refuses_a_request_without_the_token(vdp: Vdp) -> None:
+    cluster = vdp.cluster.kubectl_json("get", "raycluster", vdp.status()["rayCluster"],
+                                       "-n", vdp.ns)  # fmt: skip
+    secret = f"{vdp.name}-ray-token"
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": secret}
+    head = vdp.pods()["head"]
+    env = {e["name"]: e for e in head["spec"]["containers"][0]["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"  # set by KubeRay
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret, "key": "auth_token"}
+    jobs = vdp.dashboard_url("/api/jobs/")
+    assert http_status(jobs) == 401
+    assert http_status(jobs, {"x-ray-authorization": "Bearer wrong"}) == 403
+    assert http_status(jobs, {"Authorization": "Bearer wrong"}) == 403
+    # A job submitted without the token is refused: no code runs on the GPU pods.
+    assert http_status(jobs, body={"entrypoint": "echo pwned"}) == 401
+    assert http_status(jobs, vdp.ray_headers()) == 200
+    assert all(j.get("entrypoint") != "echo pwned" for j in vdp.dashboard_jobs().values())
+    # Its public health check stays open for KubeRay's probes.
+    assert http_status(vdp.dashboard_url("/api/gcs_healthz")) == 200
 
 
 def finished_by_engine(metrics: str) -> dict[str, float]:
@@ -169,7 +232,7 @@ class Load:
             try:
                 http(f"{self.base}/v1/completions", {
                     "model": "tiny", "prompt": "hello world", "max_tokens": self.tokens,
-                    "ignore_eos": True}, timeout=120)  # fmt: skip
+                    "ignore_eos": True}, timeout=120, headers=AUTH)  # fmt: skip
                 with self.lock:
                     self.done += 1
             except OSError as e:
@@ -270,7 +333,7 @@ def test_engine_only_change_relaunches_on_same_pods(vdp: Vdp) -> None:
     note(f"relaunch after an engine-only change: Serving again in {time.monotonic() - t0:.0f}s")
     assert {role: p["metadata"]["uid"] for role, p in vdp.pods().items()} == uids
     assert vdp.dashboard_jobs()[old_sid]["status"] == "STOPPED"
-    models = http(f"http://{vdp.service_ip()}:{API_PORT}/v1/models")
+    models = http(f"http://{vdp.service_ip()}:{API_PORT}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 128
 
 
@@ -316,4 +379,6 @@ def test_delete_removes_everything(vdp: Vdp) -> None:
     t0 = time.monotonic()
     vdp.cluster.kubectl("delete", "vdp", vdp.name, "-n", vdp.ns, "--wait=true", timeout=120)
     vdp.wait("every child gone", lambda: vdp.children() == [], 180)
+    # The token Secret went with its owner too (the API key's Secret is the user's: it stays).
+    vdp.wait("the Ray token Secret gone", lambda: vdp.ray_token() is None, 60)
     note(f"delete: every child gone in {time.monotonic() - t0:.0f}s")

@@ -4,9 +4,11 @@ under a deadline that prints the operator's, KubeRay's and the pods' logs when i
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,10 +98,12 @@ def operator_logs(cluster: RunningCluster, tail: int = 80) -> str:
     return "\n".join(parts) or f"--- operator: no pods (Lease holder {lease or 'none'})"
 
 
-def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> Any:
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30,
+         headers: dict[str, str] | None = None) -> Any:  # fmt: skip
     """GET (or POST `body` as JSON) from the host; the answer's JSON (or text)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})  # fmt: skip
     with urllib.request.urlopen(req, timeout=timeout) as r:
         raw = r.read().decode()
     try:
@@ -108,9 +112,20 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> A
         return raw
 
 
+def http_status(url: str, headers: dict[str, str] | None = None,
+                body: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """The HTTP status of one request from the host (an error status too)."""
+    try:
+        http(url, body, timeout=30, headers=headers)
+    except urllib.error.HTTPError as e:
+        return e.code
+    return 200
+
+
 # Run inside an engine pod (both images have python3): GET or POST from the pod network.
 _POD_HTTP = ("import json,sys,urllib.request as u;b=sys.argv[2].encode() or None;"
-             "r=u.Request(sys.argv[1],data=b,headers={'Content-Type':'application/json'});"
+             "h={'Content-Type':'application/json',**json.loads(sys.argv[3] or '{}')};"
+             "r=u.Request(sys.argv[1],data=b,headers=h);"
              "print(u.urlopen(r,timeout=60).read().decode())")  # fmt: skip
 
 
@@ -141,15 +156,30 @@ class Vdp:
         svc = self.cluster.kubectl_json("get", "svc", f"{self.name}-api", "-n", self.ns)
         return str(svc["spec"]["clusterIP"])
 
+    def ray_token(self) -> str | None:
+        """The cluster's Ray auth token, read as an admin reads it (the operator never does)."""
+        proc = self.cluster.kubectl("get", "secret", f"{self.name}-ray-token", "-n", self.ns,
+                                    "-o", "jsonpath={.data.auth_token}", check=False)  # fmt: skip
+        raw = proc.stdout.strip() if proc.returncode == 0 else ""
+        return base64.b64decode(raw).decode() if raw else None
+
+    def ray_headers(self) -> dict[str, str]:
+        """KubeRay's header for the dashboard, when the cluster has a token."""
+        token = self.ray_token()
+        return {"x-ray-authorization": f"Bearer {token}"} if token else {}
+
+    def dashboard_url(self, path: str) -> str:
+        """The head pod's dashboard from the host."""
+        return f"http://{self.pods()['head']['status']['podIP']}:{DASHBOARD_PORT}{path}"
+
     def dashboard_jobs(self) -> dict[str, dict[str, Any]]:
         """Ray's job table, from the host through the head pod's dashboard: by submission id."""
-        ip = self.pods()["head"]["status"]["podIP"]
-        jobs = http(f"http://{ip}:{DASHBOARD_PORT}/api/jobs/", timeout=10)
+        jobs = http(self.dashboard_url("/api/jobs/"), timeout=10, headers=self.ray_headers())
         return {j["submission_id"]: j for j in jobs if j.get("submission_id")}
 
     def job_logs(self, submission_id: str) -> str:
-        ip = self.pods()["head"]["status"]["podIP"]
-        out = http(f"http://{ip}:{DASHBOARD_PORT}/api/jobs/{submission_id}/logs", timeout=10)
+        out = http(self.dashboard_url(f"/api/jobs/{submission_id}/logs"), timeout=10,
+                   headers=self.ray_headers())  # fmt: skip
         return str(out.get("logs", "")) if isinstance(out, dict) else str(out)
 
     def rayjob(self, name: str) -> dict[str, Any] | None:
@@ -163,11 +193,13 @@ class Vdp:
                                    "-o", "name").stdout  # fmt: skip
         return out.split()
 
-    def from_pod(self, url: str, body: dict[str, Any] | None = None) -> Any:
+    def from_pod(self, url: str, body: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None) -> Any:  # fmt: skip
         """GET/POST from inside the worker pod (another node than the head)."""
         pod = self.pods()["worker"]["metadata"]["name"]
         out = self.cluster.exec(self.ns, pod, "python3", "-c", _POD_HTTP, url,
-                                json.dumps(body) if body is not None else "").stdout  # fmt: skip
+                                json.dumps(body) if body is not None else "",
+                                json.dumps(headers or {})).stdout  # fmt: skip
         try:
             return json.loads(out)
         except ValueError:

@@ -34,6 +34,16 @@ OPERATOR_ENV = {
 }
 
 
+def ray_auth_key_file() -> str:
+    """One Ray auth key for every test operator process, as the chart gives every replica
+    one: a restarted or failed-over operator derives the tokens its predecessor created."""
+    path = Path(os.environ.get("TMPDIR") or "/tmp") / f"vdp-test-ray-auth-key-{os.getuid()}"
+    if not path.exists():
+        path.write_bytes(os.urandom(32).hex().encode())
+        path.chmod(0o600)
+    return str(path)
+
+
 def probe_mode(env: dict[str, str]) -> str:
     """apiserver-proxy where the test bed routes pod IPs into its own namespace, else off.
 
@@ -70,6 +80,7 @@ class OperatorProcess:
         self.env = {**env, **OPERATOR_ENV, "VLLMDP_HEALTH_PROBE": probe_mode(env),
                     "VLLMDP_LEASE_NAMESPACE": LEASE_NAMESPACE, "POD_NAME": pod_name,
                     "VLLMDP_READINESS_HOST": "127.0.0.1",
+                    "VLLMDP_RAY_AUTH_KEY_FILE": ray_auth_key_file(),
                     **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None

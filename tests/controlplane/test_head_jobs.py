@@ -3,6 +3,7 @@ confirmed before the next launch, and the API Service routing only to a head tha
 
 from __future__ import annotations
 
+import base64
 import calendar
 import time
 from collections.abc import Iterator
@@ -117,6 +118,17 @@ def test_engine_change_stops_the_old_ray_job_and_confirms_before_the_next(
                          if e["method"] == "POST" and e["path"].endswith("/stop")), None)
 
         stopped_at = testbed.wait_until("the operator to stop the Ray job", stop_sent, timeout=30)
+        # Through the real API server's service proxy, every call of the operator carried the
+        # cluster's Ray token (the Secret the operator created and never read) in KubeRay's
+        # header; the operator's own credential in Authorization ended at the API server.
+        token = base64.b64decode(testbed.kubectl(
+            "-n", ns, "get", "secret", "drainer-ray-token", "-o",
+            "jsonpath={.data.auth_token}").stdout).decode()  # fmt: skip
+        calls = [e for e in ray_api(pod_ip, "GET", "/_double/log")
+                 if e["path"].startswith("/api/jobs/drainer-") and (
+                     e["method"] == "GET" or e["path"].endswith("/stop"))]  # fmt: skip
+        assert calls and all(e["x_ray_authorization"] == f"Bearer {token}" for e in calls), calls
+        assert all(e["authorization"] is None for e in calls), calls
         # While Ray drains the job, nothing new runs and no request is routed to the head.
         assert [j["metadata"]["name"] for j in items(testbed, ns, "rayjobs")] == [job["metadata"]
                                                                                   ["name"]]

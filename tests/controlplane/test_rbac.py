@@ -41,11 +41,13 @@ MUST_NAMESPACED = [
     *[(v, "services", "") for v in ("get", "list", "watch", "create", "patch", "delete")],
     *[(v, "pods", "") for v in ("get", "list", "watch", "patch")],
     *[(v, r, "") for r in ("events", "events.events.k8s.io") for v in ("create", "patch")],
+    ("create", "secrets", ""),  # the Ray token Secret, never read back
 ]
 # Never, in any mode.
 MUST_NOT_NAMESPACED = [
     ("get", "secrets", ""), ("list", "secrets", ""), ("watch", "secrets", ""),
-    ("create", "secrets", ""), ("get", "configmaps", ""),
+    ("patch", "secrets", ""), ("update", "secrets", ""), ("delete", "secrets", ""),
+    ("get", "configmaps", ""),
     ("delete", "pods", ""), ("create", "pods", ""), ("update", "pods", ""),
     ("create", "pods", "exec"), ("get", "pods", "log"), ("create", "pods", "portforward"),
     ("create", "deployments.apps", ""), ("create", "jobs.batch", ""),

@@ -62,6 +62,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def _record(self, extra: dict[str, Any] | None = None) -> str:
         head = self.connection.getsockname()[0]  # the pod IP the request was sent to
         entry = {"time": time.time(), "method": self.command, "path": self.path, "head": head,
+                 # Ray's token headers as they arrived (Ray reads Authorization first, then
+                 # x-ray-authorization): what a caller sent, after any proxy on the way.
+                 "authorization": self.headers.get("Authorization"),
+                 "x_ray_authorization": self.headers.get("x-ray-authorization"),
                  **(extra or {})}  # fmt: skip
         with JOBS.lock:
             JOBS.log.append(entry)

@@ -283,13 +283,13 @@ async def test_the_gate_refuses_every_write_and_no_read_after_the_renew_deadline
     inner = _Recorder()
     gated, jobs = GatedApi(inner, a), GatedRayJobs(inner, a)
     await gated.create(SERVICE, "ns", {})
-    await jobs.stop("ns", "c", "j")
+    await jobs.stop("ns", "c", "j", None)
     clock.advance(10)
     await gated.get(SERVICE, "ns", "x")
-    await jobs.lookup("ns", "c", "j")
+    await jobs.lookup("ns", "c", "j", None)
     for write in (gated.create(SERVICE, "ns", {}), gated.patch(SERVICE, "ns", "x", {}),
                   gated.delete(SERVICE, "ns", "x"), gated.patch_status(SERVICE, "ns", "x", {}),
-                  jobs.stop("ns", "c", "j")):  # fmt: skip
+                  jobs.stop("ns", "c", "j", None)):  # fmt: skip
         with pytest.raises(NotLeading):
             await write
     assert inner.calls == ["create", "stop", "get", "lookup"]

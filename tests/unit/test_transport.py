@@ -99,9 +99,9 @@ async def test_api_server_status_is_not_the_pods_answer(apiserver: dict[str, Any
 async def test_ray_job_lookup_running_then_stop_then_stopped(apiserver: dict[str, Any]) -> None:
     async with _api(apiserver["url"]) as api:
         jobs = DashboardJobs(ApiServerProxyTransport(api, 2))
-        first = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
-        stop = await jobs.stop("ns1", "demo-abcde", "demo-j00001")
-        after = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
+        first = await jobs.lookup("ns1", "demo-abcde", "demo-j00001", None)
+        stop = await jobs.stop("ns1", "demo-abcde", "demo-j00001", None)
+        after = await jobs.lookup("ns1", "demo-abcde", "demo-j00001", None)
     assert first.state == "RUNNING" and not first.ended
     assert stop.delivered
     assert after.state == "STOPPED" and after.ended
@@ -114,10 +114,10 @@ async def test_ray_404_means_not_found_but_api_server_404_is_unknown(
     apiserver["job"] = None
     async with _api(apiserver["url"]) as api:
         jobs = DashboardJobs(ApiServerProxyTransport(api, 2))
-        missing = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
+        missing = await jobs.lookup("ns1", "demo-abcde", "demo-j00001", None)
         apiserver["own"] = (404, 'services "demo-abcde-head-svc" not found')
-        no_service = await jobs.lookup("ns1", "demo-abcde", "demo-j00001")
-        stop = await jobs.stop("ns1", "demo-abcde", "demo-j00001")
+        no_service = await jobs.lookup("ns1", "demo-abcde", "demo-j00001", None)
+        stop = await jobs.stop("ns1", "demo-abcde", "demo-j00001", None)
     assert missing.state == NOT_FOUND and missing.ended
     assert no_service.state == UNKNOWN and not no_service.ended
     assert not stop.delivered
@@ -130,7 +130,7 @@ async def test_forbidden_proxy_is_unknown_and_logged(
                              "resource \"services/proxy\"")  # fmt: skip
     async with _api(apiserver["url"]) as api:
         stop = await DashboardJobs(ApiServerProxyTransport(api, 2)).stop(
-            "ns1", "demo-abcde", "demo-j00001")  # fmt: skip
+            "ns1", "demo-abcde", "demo-j00001", None)  # fmt: skip
     assert not stop.delivered and "403" in stop.detail
     assert any("forbidden" in r.getMessage() for r in caplog.records)
 
@@ -138,7 +138,7 @@ async def test_forbidden_proxy_is_unknown_and_logged(
 async def test_unreachable_api_server_reads_as_unknown() -> None:
     async with _api("http://127.0.0.1:9") as api:
         lookup = await DashboardJobs(ApiServerProxyTransport(api, 1)).lookup(
-            "ns1", "demo-abcde", "demo-j00001")  # fmt: skip
+            "ns1", "demo-abcde", "demo-j00001", None)  # fmt: skip
         health = await TransportProbe(ApiServerProxyTransport(api, 1)).check("ns1", "s", 8000)
     assert lookup.state == UNKNOWN and not health.ok
 
@@ -150,7 +150,7 @@ async def test_make_transport_modes() -> None:
         off = make_transport("off", api, 1)
         assert isinstance(off, DisabledTransport)
         assert not (await TransportProbe(off).check("a", "b", 1)).ok
-        assert (await DashboardJobs(off).lookup("a", "b", "c")).state == UNKNOWN
+        assert (await DashboardJobs(off).lookup("a", "b", "c", None)).state == UNKNOWN
         with pytest.raises(ValueError, match="VLLMDP_HEALTH_PROBE"):
             make_transport("bogus", api, 1)
 

@@ -52,16 +52,35 @@ class FakeRayJobs:
         self.jobs: dict[str, str] = {}  # submission id -> Ray job status
         self.reachable = True
         self.stops: list[str] = []
+        # Like Ray with RAY_AUTH_MODE=token: when set, a call without it is refused.
+        self.required_token: str | None = None
+        self.tokens: list[str | None] = []  # the token each call carried
+        self.replaced_token: str | None = None  # a token Secret someone else replaced
 
-    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
+    def _refused(self, token: str | None) -> str | None:
+        self.tokens.append(token)
+        required = self.replaced_token or self.required_token
+        if required is None or token == required:
+            return None
+        return "dashboard: HTTP 401" if token is None else "dashboard: HTTP 403"
+
+    async def lookup(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> RayJobLookup:
         if not self.reachable:
             return RayJobLookup(UNKNOWN, "dashboard: connection refused")
+        if (refused := self._refused(token)) is not None:
+            return RayJobLookup(UNKNOWN, refused)
         state = self.jobs.get(submission_id, NOT_FOUND)
         return RayJobLookup(state, f"dashboard: {submission_id} {state}")
 
-    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
+    async def stop(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> StopResult:
         if not self.reachable:
             return StopResult(False, "dashboard: connection refused")
+        if (refused := self._refused(token)) is not None:
+            return StopResult(False, refused)
         self.stops.append(submission_id)
         return StopResult(submission_id in self.jobs, f"dashboard: stop {submission_id}")
 
@@ -99,6 +118,10 @@ class World:
     async def step(self, advance: float = 0.0) -> Outcome:
         self.now += timedelta(seconds=advance)
         res = Resource("demo", "default", self.uid, self.generation, self.spec, self.status)
+        # Play Ray: a token-authenticated cluster's dashboard refuses calls without its token.
+        auth = (self.spec.get("ray") or {}).get("auth", "token")
+        self.ray.required_token = CFG.ray_tokens.token("default", "demo") \
+            if auth == "token" else None  # fmt: skip
         out = await reconcile(res, self.kube, self.probe, self.ray, CFG, self.now)
         self.status = {k: v for k, v in out.status.items() if v is not None}
         self.events += [(e.type, e.reason, e.message) for e in out.events]

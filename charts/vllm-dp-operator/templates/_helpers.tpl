@@ -88,6 +88,11 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "patch"]
+# Each resource's Ray token Secret (spec.ray.auth: token): created, never read, listed,
+# watched or changed; the operator derives the token from its own key instead.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 # Events posted by the operator and by kopf.
 - apiGroups: [""]
   resources: ["events"]
@@ -134,4 +139,11 @@ else repository:tag (the chart's appVersion when the tag is empty).
 {{- else -}}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
+{{- end }}
+
+{{/*
+The Secret holding the operator's Ray auth key: rayAuth.existingKeySecret, or the chart's own.
+*/}}
+{{- define "vllm-dp-operator.rayAuthKeySecret" -}}
+{{- .Values.rayAuth.existingKeySecret | default (printf "%s-ray-auth-key" (include "vllm-dp-operator.fullname" .)) -}}
 {{- end }}

@@ -202,6 +202,26 @@ class ServiceSpec(ApiModel):
     )
 
 
+class RayAuth(StrEnum):
+    """Whether the Ray cluster's dashboard, job API and GCS demand a token."""
+
+    TOKEN = "token"
+    DISABLED = "disabled"
+
+
+class RaySpec(ApiModel):
+    """Settings of the Ray cluster the engines run on."""
+
+    auth: RayAuth = Field(
+        default=RayAuth.TOKEN,
+        description="Ray token authentication (KubeRay authOptions.mode, Ray "
+        "RAY_AUTH_MODE): token (the default) makes Ray's dashboard, job API and GCS refuse "
+        "callers without the cluster's token, which only the Ray pods, KubeRay and the operator "
+        "hold; disabled lets anyone who reaches the head's ports submit a Ray job, that is run "
+        "code on the GPU pods. Changing it replaces the Ray pods.",
+    )
+
+
 class VLLMDataParallelSpec(ApiModel):
     """Desired state: one data-parallel vLLM deployment on a Ray cluster."""
 
@@ -303,6 +323,7 @@ class VLLMDataParallelSpec(ApiModel):
     launch: LaunchSpec = Field(
         default_factory=LaunchSpec, description="Launch deadline and stop drain of head jobs."
     )
+    ray: RaySpec = Field(default_factory=RaySpec, description="The Ray cluster's settings.")
     suspend: JsonBool = Field(
         default=False,
         description="Stop the engines and release the GPU pods, keeping the resource.",

@@ -48,6 +48,14 @@ def head_service(cluster: str) -> str:
     return f"{cluster}{constants.HEAD_SERVICE_SUFFIX}"
 
 
+def ray_token_secret(instance: str) -> str:
+    """Secret holding the Ray cluster's auth token (KubeRay authOptions.secretName).
+
+    One per resource, whatever the cluster's shape: a reshape keeps the token.
+    """
+    return f"{instance}{constants.RAY_TOKEN_SECRET_SUFFIX}"
+
+
 def service(instance: str) -> str:
     """API Service name; the suffix keeps it from ever being `vllm` (vllm#34199)."""
     return f"{instance}{constants.API_SERVICE_SUFFIX}"

@@ -91,14 +91,18 @@ class GatedRayJobs:
     def __init__(self, jobs: RayJobs, gate: WriteGate) -> None:
         self._jobs, self._gate = jobs, gate
 
-    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
+    async def lookup(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> RayJobLookup:
         """The status of one Ray job (not gated)."""
-        return await self._jobs.lookup(namespace, cluster, submission_id)
+        return await self._jobs.lookup(namespace, cluster, submission_id, token)
 
-    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
+    async def stop(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> StopResult:
         """Stop one Ray job, if this process may write."""
         self._gate.check()
-        return await self._jobs.stop(namespace, cluster, submission_id)
+        return await self._jobs.stop(namespace, cluster, submission_id, token)
 
 
 class _Open:

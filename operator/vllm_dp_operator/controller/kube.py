@@ -44,6 +44,8 @@ RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
 RAYJOB = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayjobs")
 SERVICE = Kind("", "v1", "services")
 POD = Kind("", "v1", "pods")
+#: Created only (each resource's Ray token Secret), never read, listed or watched.
+SECRET = Kind("", "v1", "secrets")
 
 
 class AlreadyExists(Exception):

@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
-from vllm_dp_operator.api.models import VLLMDataParallelSpec
+from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.kube import POD, RAYJOB, AlreadyExists, Kube
 from vllm_dp_operator.engines.engine_metrics import missing_ranks, ranks_text
@@ -71,6 +71,9 @@ class HeadJobs:
         self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
         self.head_pod, self.st, self.ns = head_pod, st, res.namespace
         self.health = ProbeResult(False, "not probed")
+        # The cluster's Ray token, derived again rather than read from its Secret.
+        self.token = (cfg.ray_tokens.token(res.namespace, res.name)
+                      if spec.ray.auth == RayAuth.TOKEN else None)  # fmt: skip
 
     async def converge(self, jobs: list[dict[str, Any]]) -> None:
         """Jobs are the live head jobs on this cluster, oldest attempt first."""
@@ -154,14 +157,15 @@ class HeadJobs:
         started = annotation_time(job, c.ANNOTATION_RETIRE_STARTED)
         requested = annotation_time(job, c.ANNOTATION_STOP_REQUESTED)
         head_uid = self.head_pod["metadata"]["uid"] if self.head_pod else None
-        lookup = await self.ray_jobs.lookup(self.ns, self.cluster, sid) if head_uid else None
+        lookup = (await self.ray_jobs.lookup(self.ns, self.cluster, sid, self.token)
+                  if head_uid else None)  # fmt: skip
         drain = self.spec.launch.drain_seconds
         step, detail = stop_step(
             head_uid, annotations.get(c.ANNOTATION_HEAD_POD_UID), lookup, started, requested,
             self.st.now, drain, self.cfg.stop_confirm_seconds,
         )  # fmt: skip
         if step is StopStep.STOP:
-            result = await self.ray_jobs.stop(self.ns, self.cluster, sid)
+            result = await self.ray_jobs.stop(self.ns, self.cluster, sid, self.token)
             requested = self.st.now if result.delivered else None
             detail = result.detail
         if step in (StopStep.DELETE, StopStep.GIVE_UP):

@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.api import names
-from vllm_dp_operator.engines.transport import ServiceTransport
+from vllm_dp_operator.engines.transport import Answer, ServiceTransport
 
 # Ray job statuses (ray.dashboard.modules.job.common.JobStatus) in which no process runs.
 ENDED_STATUSES = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
@@ -46,11 +46,16 @@ class StopResult:
 class RayJobs(Protocol):
     """The part of the Ray job API the operator uses."""
 
-    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
-        """The status of one Ray job on the cluster's head."""
+    async def lookup(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> RayJobLookup:
+        """The status of one Ray job on the cluster's head (`token`: the cluster's Ray auth
+        token, None where the cluster has none)."""
         ...
 
-    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
+    async def stop(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> StopResult:
         """Ask the head to stop one Ray job (SIGTERM, then SIGKILL after its wait time)."""
         ...
 
@@ -61,11 +66,13 @@ class DashboardJobs:
     def __init__(self, transport: ServiceTransport) -> None:
         self._transport = transport
 
-    async def lookup(self, namespace: str, cluster: str, submission_id: str) -> RayJobLookup:
+    async def lookup(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> RayJobLookup:
         """GET /api/jobs/<submission_id>."""
         answer = await self._transport.request(
             "GET", namespace, names.head_service(cluster), constants.RAY_DASHBOARD_PORT,
-            f"/api/jobs/{quote(submission_id, safe='')}",
+            f"/api/jobs/{quote(submission_id, safe='')}", headers=_auth(token),
         )  # fmt: skip
         if answer.status == 404:
             return RayJobLookup(NOT_FOUND, answer.detail)
@@ -75,12 +82,28 @@ class DashboardJobs:
             except (ValueError, KeyError, TypeError):
                 return RayJobLookup(UNKNOWN, f"{answer.detail}: not a Ray job: {answer.body!r}")
             return RayJobLookup(state, f"{answer.detail}: Ray job {state}")
-        return RayJobLookup(UNKNOWN, answer.detail)
+        return RayJobLookup(UNKNOWN, _refusal(answer))
 
-    async def stop(self, namespace: str, cluster: str, submission_id: str) -> StopResult:
+    async def stop(
+        self, namespace: str, cluster: str, submission_id: str, token: str | None
+    ) -> StopResult:
         """POST /api/jobs/<submission_id>/stop."""
         answer = await self._transport.request(
             "POST", namespace, names.head_service(cluster), constants.RAY_DASHBOARD_PORT,
-            f"/api/jobs/{quote(submission_id, safe='')}/stop",
+            f"/api/jobs/{quote(submission_id, safe='')}/stop", headers=_auth(token),
         )  # fmt: skip
-        return StopResult(answer.ok, answer.detail)
+        return StopResult(answer.ok, _refusal(answer))
+
+
+def _auth(token: str | None) -> dict[str, str] | None:
+    # KubeRay's header (dashboard_httpclient.go): through the API server's service proxy the
+    # `Authorization` header is the API server's own, so Ray also reads this one.
+    return {constants.RAY_AUTH_HEADER: f"Bearer {token}"} if token else None
+
+
+def _refusal(answer: Answer) -> str:
+    """The answer's detail, saying so when Ray's token check refused the operator."""
+    if answer.status in (401, 403):
+        return (f"{answer.detail}: the Ray dashboard refused the operator's token (was the "
+                "operator's Ray auth key changed, or the token Secret replaced?)")  # fmt: skip
+    return answer.detail

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,10 +43,11 @@ class ServiceTransport(Protocol):
 
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
-        limit: int | None = None,
+        limit: int | None = None, headers: Mapping[str, str] | None = None,
     ) -> Answer:  # fmt: skip
-        """Send `method path` to service:port in namespace, within the timeout; read at most
-        `limit` bytes of the body when given."""
+        """Send `method path` to service:port in namespace, within the timeout, with extra
+        `headers` (never logged: they may carry a token); read at most `limit` bytes of the
+        body when given."""
         ...
 
     async def close(self) -> None:
@@ -70,7 +72,7 @@ class ServiceDnsTransport:
 
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
-        limit: int | None = None,
+        limit: int | None = None, headers: Mapping[str, str] | None = None,
     ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"http://{names.service_fqdn(service, namespace, self._domain)}:{port}{path}"
@@ -78,7 +80,7 @@ class ServiceDnsTransport:
             connector = aiohttp.TCPConnector(resolver=self._resolver) if self._resolver else None
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         try:
-            async with self._session.request(method, url) as resp:
+            async with self._session.request(method, url, headers=headers) as resp:
                 body, cut = await _read(resp, limit)
                 return Answer(resp.status, body, f"{method} {url}: HTTP {resp.status}", cut)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -127,14 +129,16 @@ class ApiServerProxyTransport:
 
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
-        limit: int | None = None,
+        limit: int | None = None, headers: Mapping[str, str] | None = None,
     ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy{path}"
         try:
             resp = await self._api.call_api(
                 url, method,
-                header_params={"Accept": "*/*"},
+                # The API server consumes `Authorization` (the operator's own credential) and
+                # passes other headers on to the pod.
+                header_params={"Accept": "*/*", **(headers or {})},
                 auth_settings=["BearerToken"],
                 _preload_content=False,
                 _request_timeout=self._timeout,
@@ -161,7 +165,7 @@ class DisabledTransport:
 
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
-        limit: int | None = None,
+        limit: int | None = None, headers: Mapping[str, str] | None = None,
     ) -> Answer:  # fmt: skip
         """Never reaches the pod, saying why."""
         return Answer(None, "", "pod HTTP access disabled (VLLMDP_HEALTH_PROBE=off)")

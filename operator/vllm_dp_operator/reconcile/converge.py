@@ -13,19 +13,34 @@ from typing import Any
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
-from vllm_dp_operator.api.models import VLLMDataParallelSpec
+from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import controller_uid
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, AlreadyExists, Kube
+from vllm_dp_operator.controller.kube import (
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SECRET,
+    SERVICE,
+    AlreadyExists,
+    Kube,
+)
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
 from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
-from vllm_dp_operator.reconcile.status import PodAsks, cluster_readiness, explain_pending
+from vllm_dp_operator.reconcile.status import (
+    PodAsks,
+    cluster_readiness,
+    explain_pending,
+    explain_refused,
+    waits_for_secret,
+)
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
+from vllm_dp_operator.render.raytoken import build_ray_token_secret
 
 __all__ = ["Outcome", "Resource", "reconcile"]
 
@@ -134,18 +149,40 @@ async def _drop_jobs_without_pods(
     return kept
 
 
+def _refusal_is_new(res: Resource, message: str) -> bool:
+    """Whether the status does not say this refusal yet: one Warning per refusal, not per
+    reconcile (KubeRay retries the create, and writes its status, every few seconds)."""
+    for cond in res.status.get("conditions") or []:
+        if cond.get("type") == c.COND_CLUSTER_READY:
+            return not (cond.get("reason") == c.REASON_PODS_REFUSED
+                        and cond.get("message") == message)  # fmt: skip
+    return True
+
+
 async def _provisioning(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, plan: Plan,
-    cluster_name: str, cluster_uid: str | None, detail: str, st: StatusDoc,
+    cluster: dict[str, Any] | None, cluster_name: str, detail: str,
+    token_secret: dict[str, Any] | None, st: StatusDoc,
 ) -> Outcome:  # fmt: skip
+    cluster_uid = cluster["metadata"].get("uid") if cluster else None
     pods = _ours(await kube.list(POD, res.namespace, f"{c.LABEL_RAY_CLUSTER}={cluster_name}"),
                  cluster_uid)  # fmt: skip
+    if token_secret is not None and waits_for_secret(pods, token_secret["metadata"]["name"]):
+        # The garbage collector took a deleted namesake's Secret after this resource found it
+        # there: make it again (the token is the same), and the kubelet starts the container.
+        await _create(kube, SECRET, token_secret)
     asks = PodAsks(gpus=plan.gpus_per_pod, gpu_resource=spec.gpu.resource_name,
                    cpu=spec.resources.cpu, head_cpu=plan.head_cpu,
                    memory=spec.resources.memory, head_memory=plan.head_memory)  # fmt: skip
+    refused = explain_refused(cluster) if cluster else None
     pending = explain_pending(pods, asks)
-    reason = c.REASON_PODS_PENDING if pending else c.REASON_WAITING_FOR_NODES
-    message = pending or f"Waiting for Ray nodes of {cluster_name}: {detail}"
+    if refused is not None:
+        reason, message = c.REASON_PODS_REFUSED, refused
+        if _refusal_is_new(res, message):
+            st.event(c.EVENT_WARNING, c.REASON_PODS_REFUSED, message)
+    else:
+        reason = c.REASON_PODS_PENDING if pending else c.REASON_WAITING_FOR_NODES
+        message = pending or f"Waiting for Ray nodes of {cluster_name}: {detail}"
     st.cond(c.COND_CLUSTER_READY, False, reason, message)
     st.cond(c.COND_HEAD_JOB_RUNNING, False, c.REASON_WAITING_FOR_NODES,
             "The head job starts once every Ray node has joined")  # fmt: skip
@@ -186,6 +223,13 @@ async def reconcile(
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
     await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner), res.uid)
+    token_secret = None
+    if spec.ray.auth == RayAuth.TOKEN:
+        token = cfg.ray_tokens.token(ns, res.name)
+        token_secret = build_ray_token_secret(res.name, ns, token, owner)
+        if not any(cl["metadata"]["name"] == cluster_name for cl in clusters):
+            # Before the cluster, whose pods read it; the operator never reads it back.
+            await _create(kube, SECRET, token_secret)
     cluster = await _ensure_cluster(kube, desired, clusters, st)
 
     # Attempts count every head job seen, pruned or terminating ones too: names never repeat.
@@ -200,14 +244,15 @@ async def reconcile(
         return st.outcome()
 
     if cluster is None:
-        return await _provisioning(kube, res, spec, plan, cluster_name, None, "just created", st)
+        return await _provisioning(kube, res, spec, plan, None, cluster_name, "just created",
+                                   token_secret, st)  # fmt: skip
     cluster_uid = cluster["metadata"].get("uid")
     head_pod = head_pod_of(_ours(await kube.list(POD, ns, names.head_pod_selector(cluster_name)),
                                  cluster_uid))  # fmt: skip
     readiness = cluster_readiness(cluster, plan.worker_pods, head_pod)
     if not readiness.ready:
-        return await _provisioning(kube, res, spec, plan, cluster_name, cluster_uid,
-                                   readiness.message, st)  # fmt: skip
+        return await _provisioning(kube, res, spec, plan, cluster, cluster_name,
+                                   readiness.message, token_secret, st)  # fmt: skip
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
     live.sort(key=_attempt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -165,3 +166,42 @@ def pending_hint(scheduler_message: str, asks: PodAsks) -> str:
     if "node affinity/selector" in scheduler_message:
         hints.append("Check nodeSelector against the GPU nodes' labels.")
     return " ".join(hints) or gpu
+
+
+#: KubeRay's ReplicaFailure reasons for a refused create (utils/constant.go), and which pod.
+_REFUSED_CREATES = {"FailedCreateHeadPod": "head", "FailedCreateWorkerPod": "worker"}
+# The API server's refusal names the pod, whose generated name changes with every retry.
+_POD_NAME = re.compile(r'^pods? "[^"]*" is forbidden: ')
+
+
+def explain_refused(cluster: Mapping[str, Any]) -> str | None:
+    """Why KubeRay cannot create the Ray pods, quoting the API server's refusal, or None.
+
+    KubeRay sets its `ReplicaFailure` condition (gate RayClusterStatusConditions, on by
+    default) with the reason FailedCreateHeadPod or FailedCreateWorkerPod and, as message,
+    that reason and the create's error on the next line.
+    """
+    for cond in (cluster.get("status") or {}).get("conditions") or []:
+        pod = _REFUSED_CREATES.get(str(cond.get("reason")))
+        if cond.get("type") != "ReplicaFailure" or cond.get("status") != "True" or pod is None:
+            continue
+        lines = str(cond.get("message") or "").splitlines()
+        refusal = " ".join(line.strip() for line in lines if line.strip() != cond["reason"])
+        refusal = _POD_NAME.sub("forbidden: ", refusal) or "no reason given"
+        return (f"KubeRay cannot create the Ray {pod} pod of {cluster['metadata']['name']}: "
+                f"the API server refused it: {refusal}")  # fmt: skip
+    return None
+
+
+def waits_for_secret(pods: Iterable[Mapping[str, Any]], secret: str) -> bool:
+    """Whether a container of these pods cannot start because the Secret is missing."""
+    missing = f'secret "{secret}" not found'
+    for pod in pods:
+        status = pod.get("status") or {}
+        for container in [*(status.get("initContainerStatuses") or []),
+                          *(status.get("containerStatuses") or [])]:  # fmt: skip
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") == "CreateContainerConfigError" and \
+                    missing in str(waiting.get("message") or ""):  # fmt: skip
+                return True
+    return False

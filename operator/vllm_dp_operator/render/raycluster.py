@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.api import names
-from vllm_dp_operator.api.models import VLLMDataParallelSpec
+from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.render.meta import metadata
@@ -154,6 +154,10 @@ def _cluster_spec(
         },
         "workerGroupSpecs": [],
     }
+    if spec.ray.auth == RayAuth.TOKEN:
+        # KubeRay sets RAY_AUTH_MODE and RAY_AUTH_TOKEN (from this Secret, which the operator
+        # creates) on every Ray container, and sends the token itself to submit the head job.
+        cluster["authOptions"] = {"mode": "token", "secretName": names.ray_token_secret(instance)}
     if plan.worker_pods:
         cluster["workerGroupSpecs"] = [
             {
