@@ -44,6 +44,8 @@ RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
 RAYJOB = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayjobs")
 SERVICE = Kind("", "v1", "services")
 POD = Kind("", "v1", "pods")
+#: Kueue's Workloads (one per RayCluster in a LocalQueue); watched only where Kueue is installed.
+WORKLOAD = Kind(constants.KUEUE_GROUP, constants.KUEUE_VERSION, "workloads")
 
 
 class AlreadyExists(Exception):
