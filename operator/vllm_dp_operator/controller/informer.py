@@ -194,8 +194,10 @@ class Reflector:
         if self.problem is None or self.problem.cause != problem.cause:
             self.problem = problem
             self._problem_since, self._refusal_told = time.monotonic(), False
-            log.warning("%r: %s; retrying every %.0fs at most (logged again when the cause "
-                        "changes)", self, problem.message, RETRY_CAP_SECONDS)  # fmt: skip
+            level = logging.INFO if self.optional else logging.WARNING  # Kueue is no must
+            cap = OPTIONAL_RETRY_SECONDS if self.optional else RETRY_CAP_SECONDS
+            log.log(level, "%r: %s; retrying every %.0fs at most (logged again when the cause "
+                    "changes)", self, problem.message, cap)  # fmt: skip
             self.on_health()
         if not self._refusal_told and self.refused is not None:
             self._refusal_told = True  # the retry that finds it lasting says so, once
