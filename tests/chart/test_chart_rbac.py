@@ -28,6 +28,8 @@ REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
     # Read, and label the head pod while its vLLM answers (the API Service selects it).
     + [("", "pods", v) for v in ("get", "list", "watch", "patch")]
     + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]
+    # Kueue's Workloads, read only: why a RayCluster in a LocalQueue is Queued or Preempted.
+    + [("kueue.x-k8s.io", "workloads", v) for v in ("get", "list", "watch")]
 )
 # kopf 1.45 (kopf/_core/reactor/observation.py): watches CRDs always; lists/watches Namespaces
 # only in --namespace mode. Cluster-scoped, read-only; switched by rbac.frameworkObservation.
