@@ -140,9 +140,9 @@ def test_second_resource_queues_with_kueues_reason_and_is_admitted_when_the_firs
     # Kueue's own words, once its Workload says why.
     st = testbed.wait_until("Kueue's reason in the message", lambda: (
         s := status(testbed, ns, "second"))["phase"] == "Queued"
-        and "insufficient quota for nvidia.com/gpu" in (s.get("message") or "") and s,
+        and "insufficient unused quota for nvidia.com/gpu" in (s.get("message") or "") and s,
         timeout=30)  # fmt: skip
-    assert "LocalQueue gpu" in st["message"] and kueuebed.CLUSTER_QUEUE in st["message"], st
+    assert st["message"].startswith("Queued in LocalQueue gpu: couldn't assign flavors"), st
     ready = {c["type"]: c for c in st["conditions"]}["Ready"]
     assert ready["status"] == "False" and ready["reason"] == "Queued", ready
     assert not items(testbed, ns, "rayjobs", "app.kubernetes.io/instance=second")

@@ -146,3 +146,10 @@ async def test_another_queue_is_another_cluster_and_no_queue_keeps_the_old_name(
     names = {w.clusters()[0]["metadata"]["name"] for w in (plain, queued, other)}
     assert len(names) == 3
     assert plain.clusters()[0]["spec"]["suspend"] is False
+
+
+def test_evicted_while_the_old_reservation_is_released_is_already_preempted() -> None:
+    st = queue_state("demo-abcde", "gpu", workload(
+        cond("Evicted", True, "Preempted", "Preempted to accommodate a workload"),
+        cond("QuotaReserved", True), cond("Admitted", True)))  # fmt: skip
+    assert st.phase == c.PHASE_PREEMPTED and st.message.endswith("waiting for quota")

@@ -3,8 +3,8 @@
 Kueue creates one Workload per RayCluster in a LocalQueue (labelled with the cluster's uid),
 reserves quota for it in a ClusterQueue, and then unsuspends the cluster. While the cluster is
 suspended the resource is `Queued`, with Kueue's own words (the QuotaReserved condition's
-message, e.g. "couldn't assign flavors to pod set head: insufficient quota for nvidia.com/gpu
-in flavor gpu, request > maximum capacity (16 > 8)"), or `Preempted` once Kueue evicted it to
+message, e.g. "couldn't assign flavors to pod set head: insufficient unused quota for
+nvidia.com/gpu in flavor gpu, 4 more needed"), or `Preempted` once Kueue evicted it to
 make room for a workload of higher priority.
 """
 
@@ -56,8 +56,10 @@ def queue_state(cluster: str, queue: str, workload: Mapping[str, Any] | None) ->
                           "ray.io/raycluster integration on?)")  # fmt: skip
     reserved, admitted = _cond(workload, QUOTA_RESERVED), _cond(workload, ADMITTED)
     evicted, preempted = _cond(workload, EVICTED), _cond(workload, PREEMPTED)
-    waiting = _said(reserved) or "waiting for quota"
-    if not _true(reserved) and (_true(evicted) or _true(preempted)):
+    waiting = (_said(reserved) if not _true(reserved) else "") or "waiting for quota"
+    # Kueue resets Evicted and Preempted to False when it reserves quota again: True means the
+    # eviction is the latest news, even while the old reservation is still being released.
+    if _true(evicted) or _true(preempted):
         why = _said(evicted) or _said(preempted)
         by_priority = _true(preempted) or (evicted or {}).get("reason") == PREEMPTED
         phase, reason = ((c.PHASE_PREEMPTED, c.REASON_PREEMPTED) if by_priority
