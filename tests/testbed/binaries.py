@@ -6,6 +6,9 @@
 - Real nodes (`build_nodes`): kubelet and kube-proxy from the same Go module (so the same
   Kubernetes release), CoreDNS, `pause` and `probe` from `nodecmd/`, and the two one-file
   images made from those (oci.py). Cached in `<cache>/nodes-<key>/`.
+- Kueue (`build_kueue`), for the Kueue tests only: its manager with `go install`, and its CRDs
+  and webhook manifests from the same module. Cached in `<cache>/kueue-<key>/`, keyed by its
+  pin alone (versions.env's last block, left out of the control plane's key).
 
 What the beds run from Debian (etcd, containerd, runc, the CNI plugins, ...) is in the one list
 of host commands, hostreqs.py: each build checks (as root: installs) its part first.
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import hostreqs
 import oci
+import yaml
 from common import HERE, BuildError, cache_root, log, versions
 
 NODECMD = HERE / "nodecmd"
@@ -353,7 +357,10 @@ def build_kueue(force: bool = False) -> Path:
         (dst / "conversion").mkdir()
         for f in sorted((src / "crd" / "bases").glob("kueue.x-k8s.io_*.yaml")):
             shutil.copyfile(f, dst / "crds" / f.name)
-        for f in sorted((src / "crd" / "patches").glob("webhook_in_*.yaml")):
+        # The conversion patches its kustomization applies (some in the folder are not).
+        kustomization = yaml.safe_load((src / "crd" / "kustomization.yaml").read_text())
+        for entry in kustomization.get("patches") or []:
+            f = src / "crd" / entry["path"]
             shutil.copyfile(f, dst / "conversion" / f.name)
         shutil.copyfile(src / "webhook" / "manifests.yaml", dst / "webhook.yaml")
         shutil.rmtree(kd / "config", ignore_errors=True)
