@@ -172,8 +172,40 @@ def up(st: State) -> dict[str, Any]:
     apply(webhook_configs(kd, ports["webhook"], ca))
     # The webhooks answer once Kueue serves them: retried, the first objects go through them.
     _retry(lambda: apply(queue_objects()))
+    _gc_knows_kueue(bd, st.kubeconfig)
     st.update_info(kueue=ports)
     return ports
+
+
+def _gc_knows_kueue(bd: Path, kubeconfig: Path, timeout: float = 90) -> None:
+    """Wait until the garbage collector collects Kueue's kinds.
+
+    kube-controller-manager learns new kinds at its discovery resync, every 30 s. Until then
+    the Workload of a deleted RayCluster stays, and so does its quota. The proof is a
+    WorkloadPriorityClass whose owner is deleted: it goes once the collector watches them.
+    """
+    name = "vllmdp-testbed-gc-probe"
+
+    def run(*args: str, **kw: Any) -> Any:
+        return kubectl(bd, kubeconfig, *args, **kw)
+
+    run("delete", "clusterrole", name, "--ignore-not-found")
+    owner = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": name}, "rules": []}  # fmt: skip
+    uid = run("create", "-f", "-", "-o", "jsonpath={.metadata.uid}",
+              input=yaml.safe_dump(owner)).stdout.strip()  # fmt: skip
+    probe = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "value": 0,
+             "metadata": {"name": name, "ownerReferences": [
+                 {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                  "name": name, "uid": uid}]}}  # fmt: skip
+    run("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(probe))
+    run("delete", "clusterrole", name)
+    t0 = time.monotonic()
+    while run("get", "workloadpriorityclass", name, check=False).returncode == 0:
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"the garbage collector did not collect {name} in {timeout:.0f}s")
+        time.sleep(0.5)
+    log(f"the garbage collector collects Kueue's kinds ({time.monotonic() - t0:.1f}s)")
 
 
 def _retry(step: Any, attempts: int = 30) -> None:
