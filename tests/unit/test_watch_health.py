@@ -314,5 +314,7 @@ async def test_kueue_absent_or_unreadable_blocks_nothing(bed: Bed, status: int) 
     bed.add_owner()
     await bed.until("the children", lambda: bed.api.named(RAYCLUSTER) and bed.api.named(SERVICE))
     assert bed.condition() is None and bed.ctl.ready()[0]
-    assert bed.watch_ready("workloads.kueue.x-k8s.io/v1beta2") == 0
+    assert bed.watch_ready("workloads.kueue.x-k8s.io/v1beta2") == 1  # nothing waits on it
+    reason = c.REASON_KIND_NOT_SERVED if status == 404 else c.REASON_WATCH_FORBIDDEN
+    assert (bed.failures("workloads.kueue.x-k8s.io/v1beta2", reason) or 0) >= 1
     assert bed.watch_ready("rayclusters.ray.io/v1") == 1

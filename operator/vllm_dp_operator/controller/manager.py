@@ -276,9 +276,10 @@ class Controller:
 
     def watch_states(self) -> list[WatchState]:
         """Per child kind: listed and served now, and failed attempts by reason (metrics)."""
+        # An optional kind (Kueue's) absent or unreadable is ready: nothing waits on it. Its
+        # failed attempts still count by reason.
         return [WatchState(kind_name(r.kind),
-                           r.synced.is_set() and r.refused is None
-                           and not (r.optional and r.problem is not None and r.problem.blocks),
+                           r.synced.is_set() and r.refused is None,
                            dict(r.failures)) for r in self.reflectors]  # fmt: skip
 
     def _watch_health_changed(self) -> None:
