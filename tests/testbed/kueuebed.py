@@ -186,22 +186,22 @@ def _gc_knows_kueue(bd: Path, kubeconfig: Path, timeout: float = 90) -> None:
     """
     name = "vllmdp-testbed-gc-probe"
 
-    def run(*args: str, **kw: Any) -> Any:
+    def kc(*args: str, **kw: Any) -> Any:
         return kubectl(bd, kubeconfig, *args, **kw)
 
-    run("delete", "clusterrole", name, "--ignore-not-found")
+    kc("delete", "clusterrole", name, "--ignore-not-found")
     owner = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
              "metadata": {"name": name}, "rules": []}  # fmt: skip
-    uid = run("create", "-f", "-", "-o", "jsonpath={.metadata.uid}",
+    uid = kc("create", "-f", "-", "-o", "jsonpath={.metadata.uid}",
               input=yaml.safe_dump(owner)).stdout.strip()  # fmt: skip
     probe = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "value": 0,
              "metadata": {"name": name, "ownerReferences": [
                  {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
                   "name": name, "uid": uid}]}}  # fmt: skip
-    run("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(probe))
-    run("delete", "clusterrole", name)
+    kc("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(probe))
+    kc("delete", "clusterrole", name)
     t0 = time.monotonic()
-    while run("get", "workloadpriorityclass", name, check=False).returncode == 0:
+    while kc("get", "workloadpriorityclass", name, check=False).returncode == 0:
         if time.monotonic() - t0 > timeout:
             raise RuntimeError(f"the garbage collector did not collect {name} in {timeout:.0f}s")
         time.sleep(0.5)
