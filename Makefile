@@ -16,7 +16,7 @@ SIM ?=
 NODES ?=
 
 .PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
-        test-vllm-contract test-cluster testbed-build testbed-up testbed-down cluster-build cluster-up \
+        test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane \
         image engine-image e2e-kind images images-smoke
 
@@ -86,6 +86,10 @@ chart-lint: ## helm lint the chart as shipped
 testbed-build: ## Build (or reuse) the pinned control-plane binaries
 	@$(HOSTREQS) ensure build kwok
 	$(TESTBED) build
+
+kueue-build: ## Build (or reuse) Kueue v0.17.0 for the Kueue tests of the control-plane tier
+	@$(HOSTREQS) ensure build kwok
+	$(TESTBED) kueue-build
 
 testbed-up: ## Start the control-plane test bed (kwok nodes)
 	@$(HOSTREQS) ensure kwok

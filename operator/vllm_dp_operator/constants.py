@@ -81,6 +81,12 @@ LABEL_RAY_CLUSTER: Final = "ray.io/cluster"
 LABEL_RAY_NODE_TYPE: Final = "ray.io/node-type"
 # On the head pod while its vLLM answers /health; the API Service selects it.
 LABEL_SERVING: Final = f"{GROUP}/serving"
+# Kueue: the LocalQueue and WorkloadPriorityClass of a job, and the uid of a Workload's job.
+LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
+LABEL_KUEUE_PRIORITY: Final = "kueue.x-k8s.io/priority-class"
+LABEL_KUEUE_JOB_UID: Final = "kueue.x-k8s.io/job-uid"
+KUEUE_GROUP: Final = "kueue.x-k8s.io"
+KUEUE_VERSION: Final = "v1beta2"
 # Annotations on a head RayJob: the head pod it was launched on, and how its stop went.
 ANNOTATION_HEAD_POD_UID: Final = f"{GROUP}/head-pod-uid"
 ANNOTATION_RETIRE_STARTED: Final = f"{GROUP}/retire-started-at"
@@ -102,6 +108,9 @@ PHASE_LAUNCHING: Final = "Launching"
 PHASE_SERVING: Final = "Serving"
 PHASE_BACKOFF: Final = "Backoff"
 PHASE_SUSPENDED: Final = "Suspended"
+# In a Kueue queue, not admitted yet (or again); Preempted: evicted by Kueue, waiting to return.
+PHASE_QUEUED: Final = "Queued"
+PHASE_PREEMPTED: Final = "Preempted"
 
 # Condition types.
 COND_SPEC_VALID: Final = "SpecValid"
@@ -125,6 +134,8 @@ REASON_PODS_PENDING: Final = "PodsPending"
 REASON_PODS_REFUSED: Final = "PodsRefused"
 REASON_WAITING_FOR_NODES: Final = "WaitingForRayNodes"
 REASON_SUSPENDED: Final = "Suspended"
+REASON_QUEUED: Final = "Queued"
+REASON_PREEMPTED: Final = "Preempted"
 REASON_JOB_CREATED: Final = "HeadJobCreated"
 REASON_JOB_RUNNING: Final = "HeadJobRunning"
 REASON_JOB_PENDING: Final = "HeadJobPending"

@@ -30,6 +30,8 @@ REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
     + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]
     # Each resource's Ray token Secret: created only; the token is derived, never read back.
     + [("", "secrets", "create")]
+    # Kueue's Workloads, read only: why a RayCluster in a LocalQueue is Queued or Preempted.
+    + [("kueue.x-k8s.io", "workloads", v) for v in ("get", "list", "watch")]
 )
 # kopf 1.45 (kopf/_core/reactor/observation.py): watches CRDs always; lists/watches Namespaces
 # only in --namespace mode. Cluster-scoped, read-only; switched by rbac.frameworkObservation.

@@ -74,6 +74,10 @@ KOPF_CRDS = [("list", "customresourcedefinitions.apiextensions.k8s.io", ""),
              ("watch", "customresourcedefinitions.apiextensions.k8s.io", "")]
 KOPF_NAMESPACES = [("list", "namespaces", ""), ("watch", "namespaces", "")]
 PROXY = [("get", "services", "proxy"), ("create", "services", "proxy")]
+# Kueue's Workloads, read only. Asked by API group: `kubectl auth can-i` cannot map a kind the
+# API server does not serve, and the bed serves it only while a Kueue test has installed it.
+KUEUE_READ = [("get", "workloads"), ("list", "workloads"), ("watch", "workloads")]
+KUEUE_WRITE = [("create", "workloads"), ("patch", "workloads"), ("delete", "workloads")]
 
 
 @dataclass
@@ -104,6 +108,21 @@ class AsOperator:
         if proc.returncode not in (0, 1) or answer[0] not in ("yes", "no"):
             raise AssertionError(f"kubectl auth can-i failed: {proc.stdout}{proc.stderr}")
         return answer[0] == "yes"
+
+
+def _check_kueue(op: AsOperator, ns: str | None, expect: bool, asked: list[tuple[str, str]]
+                 ) -> None:  # fmt: skip
+    wrong = []
+    for verb, resource in asked:
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                  "spec": {"resourceAttributes": {"group": "kueue.x-k8s.io", "verb": verb,
+                                                  "resource": resource, "namespace": ns or ""}}}
+        proc = subprocess.run([str(op.testbed.kubectl_path), f"--kubeconfig={op.kubeconfig}",
+                               "create", "-f", "-", "-o", "json"], input=json.dumps(review),
+                              capture_output=True, text=True, timeout=60, check=True)
+        if json.loads(proc.stdout)["status"].get("allowed", False) != expect:
+            wrong.append(f"{verb} {resource}.kueue.x-k8s.io")
+    assert not wrong, f"{op.identity.username} {'cannot' if expect else 'can'} in {ns}: {wrong}"
 
 
 def _check(op: AsOperator, allowed: list[tuple[str, str, str]], ns: str | None,
@@ -147,6 +166,8 @@ def test_cluster_scope(testbed: RunningTestbed, testbed_namespace: str, other_na
             _check(op, MUST_NAMESPACED, ns, expect=True)
             _check(op, MUST_NOT_NAMESPACED, ns, expect=False)
             _check(op, PROXY, ns, expect=False)
+            _check_kueue(op, ns, True, KUEUE_READ)
+            _check_kueue(op, ns, False, KUEUE_WRITE)
         _check(op, KOPF_CRDS, None, expect=True)
         # --all-namespaces: kopf never lists namespaces, so the chart does not grant it.
         _check(op, KOPF_NAMESPACES, None, expect=False)
@@ -162,6 +183,8 @@ def test_namespace_scope(testbed: RunningTestbed, testbed_namespace: str, other_
         _check(op, MUST_NOT_NAMESPACED, ns, expect=False)
         _check(op, MUST_NAMESPACED, other_namespace, expect=False)
         _check(op, MUST_NAMESPACED, None, expect=False)
+        _check_kueue(op, ns, True, KUEUE_READ)
+        _check_kueue(op, other_namespace, False, KUEUE_READ)
         _check(op, KOPF_CRDS + KOPF_NAMESPACES, None, expect=True)
         _check(op, MUST_NOT_CLUSTER, None, expect=False)
 

@@ -6,6 +6,9 @@
 - Real nodes (`build_nodes`): kubelet and kube-proxy from the same Go module (so the same
   Kubernetes release), CoreDNS, `pause` and `probe` from `nodecmd/`, and the two one-file
   images made from those (oci.py). Cached in `<cache>/nodes-<key>/`.
+- Kueue (`build_kueue`), for the Kueue tests only: its manager with `go install`, and its CRDs
+  and webhook manifests from the same module. Cached in `<cache>/kueue-<key>/`, keyed by its
+  pin alone (versions.env's last block, left out of the control plane's key).
 
 What the beds run from Debian (etcd, containerd, runc, the CNI plugins, ...) is in the one list
 of host commands, hostreqs.py: each build checks (as root: installs) its part first.
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import hostreqs
 import oci
+import yaml
 from common import HERE, BuildError, cache_root, log, versions
 
 NODECMD = HERE / "nodecmd"
@@ -51,17 +55,34 @@ REAL_NODE_USES = ("build", "kwok", "cluster")
 # Bump when the way binaries are built changes (flags, stamping), to invalidate the cache.
 BUILD_RECIPE = "2"
 NODE_RECIPE = "1"
+KUEUE_RECIPE = "1"
+KUEUE_MODULE = "sigs.k8s.io/kueue"
+#: The first line of versions.env's Kueue block.
+KUEUE_PIN_MARK = b"# sigs.k8s.io/kueue (cmd/kueue)"
 
 
-def _key(recipe: str, files: list[Path]) -> str:
+def _key(recipe: str, files: list[Path], texts: dict[str, bytes] | None = None) -> str:
     h = hashlib.sha256(f"recipe={recipe}\0".encode())
     for f in files:
-        h.update(str(f.relative_to(HERE)).encode() + b"\0" + f.read_bytes() + b"\0")
+        body = (texts or {}).get(f.name, f.read_bytes())
+        h.update(str(f.relative_to(HERE)).encode() + b"\0" + body + b"\0")
     return h.hexdigest()[:12]
 
 
+def _pins_without_kueue() -> bytes:
+    """versions.env up to its Kueue block, which keys Kueue's own cache (kueue-<key>)."""
+    text = (HERE / "versions.env").read_bytes()
+    return text[: text.index(KUEUE_PIN_MARK)] if KUEUE_PIN_MARK in text else text
+
+
 def version_key() -> str:
-    return _key(BUILD_RECIPE, [HERE / n for n in ("versions.env", "go.mod", "go.sum")])
+    return _key(BUILD_RECIPE, [HERE / n for n in ("versions.env", "go.mod", "go.sum")],
+                {"versions.env": _pins_without_kueue()})  # fmt: skip
+
+
+def kueue_key() -> str:
+    h = hashlib.sha256(f"recipe={KUEUE_RECIPE}\0{versions()['KUEUE_VERSION']}".encode())
+    return h.hexdigest()[:12]
 
 
 def node_key() -> str:
@@ -145,9 +166,13 @@ def find_etcd() -> str:
 
 
 def kuberay_module_dir(env: dict[str, str]) -> Path:
-    ver = versions()["KUBERAY_VERSION"]
+    return module_dir(KUBERAY_MODULE, versions()["KUBERAY_VERSION"], env)
+
+
+def module_dir(module: str, ver: str, env: dict[str, str]) -> Path:
+    """Where `go mod download` put a module (downloading it first)."""
     proc = subprocess.run(
-        ["go", "mod", "download", "-json", f"{KUBERAY_MODULE}@{ver}"],
+        ["go", "mod", "download", "-json", f"{module}@{ver}"],
         cwd=HERE,
         env=env,
         capture_output=True,
@@ -156,9 +181,9 @@ def kuberay_module_dir(env: dict[str, str]) -> Path:
     try:
         info = json.loads(proc.stdout)
     except json.JSONDecodeError as e:
-        raise BuildError(f"go mod download {KUBERAY_MODULE}@{ver} failed:\n{proc.stderr}") from e
+        raise BuildError(f"go mod download {module}@{ver} failed:\n{proc.stderr}") from e
     if info.get("Error") or not info.get("Dir"):
-        raise BuildError(f"go mod download {KUBERAY_MODULE}@{ver}: {info.get('Error')}")
+        raise BuildError(f"go mod download {module}@{ver}: {info.get('Error')}")
     return Path(info["Dir"])
 
 
@@ -296,3 +321,50 @@ def build_nodes(force: bool = False) -> Path:
         (nd / "BUILD_INFO.json").write_text(json.dumps(info))
 
     return _cached_build(nd, node_binaries_present, force, recipe)
+
+
+def kueue_dir() -> Path:
+    return cache_root() / f"kueue-{kueue_key()}"
+
+
+def kueue_present(kd: Path | None = None) -> bool:
+    kd = kd or kueue_dir()
+    return (kd / "kueue").is_file() and (kd / "config" / "webhook.yaml").is_file() and any(
+        (kd / "config" / "crds").glob("*.yaml"))  # fmt: skip
+
+
+def build_kueue(force: bool = False) -> Path:
+    """Build (or reuse) Kueue and copy its CRDs and webhook manifests; return their dir.
+
+    `go install` works: the module has no replace directives. The CRDs (config/components/crd
+    bases, with the conversion patches of the same folder) and the webhook configurations
+    (config/components/webhook/manifests.yaml) are copied as shipped; kueuebed.py renders them
+    for the bed.
+    """
+    kd = kueue_dir()
+    ensure_host(host_uses(CONTROL_PLANE_USES, force or not kueue_present(kd)))
+
+    def recipe(tmp: Path) -> None:
+        v, env = versions()["KUEUE_VERSION"], go_env()
+        if force or not (kd / "kueue").is_file():
+            pkg = f"{KUEUE_MODULE}/cmd/kueue@{v}"
+            _run_build(["go", "install", "-ldflags=-s -w", pkg], HERE, dict(env, GOBIN=str(tmp)),
+                       pkg)  # fmt: skip
+            os.replace(tmp / "kueue", kd / "kueue")
+        src = module_dir(KUEUE_MODULE, v, env) / "config" / "components"
+        dst = tmp / "config"
+        (dst / "crds").mkdir(parents=True)
+        (dst / "conversion").mkdir()
+        for f in sorted((src / "crd" / "bases").glob("kueue.x-k8s.io_*.yaml")):
+            shutil.copyfile(f, dst / "crds" / f.name)
+        # The conversion patches its kustomization applies (some in the folder are not).
+        kustomization = yaml.safe_load((src / "crd" / "kustomization.yaml").read_text())
+        for entry in kustomization.get("patches") or []:
+            f = src / "crd" / entry["path"]
+            shutil.copyfile(f, dst / "conversion" / f.name)
+        shutil.copyfile(src / "webhook" / "manifests.yaml", dst / "webhook.yaml")
+        shutil.rmtree(kd / "config", ignore_errors=True)
+        os.replace(dst, kd / "config")
+        (kd / "BUILD_INFO.json").write_text(json.dumps({"KUEUE_VERSION": v, "key": kueue_key()}))
+
+    return _cached_build(kd, kueue_present, force, recipe)

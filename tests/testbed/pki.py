@@ -100,3 +100,12 @@ def write_kubeconfig(path: Path, server: str, ca: Path, token: str, user: str) -
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     path.chmod(0o600)
+
+
+def serving_cert(pki: Path, name: str, ip: str) -> tuple[Path, Path]:
+    """A serving certificate for `ip`, signed by the bed's CA (made once); (cert, key)."""
+    if not (pki / f"{name}.crt").exists():
+        _signed_cert(pki, name, f"/CN={name}",
+                     "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+                     f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{ip}\n")  # fmt: skip
+    return pki / f"{name}.crt", pki / f"{name}.key"

@@ -15,6 +15,7 @@ kube-proxy, CoreDNS and KubeRay; pods run real containers from imported image ar
 in `.cluster/` or $VLLMDP_CLUSTER_DIR.
 
     testbed.py cluster build               also kubelet, kube-proxy, CoreDNS, pause/probe images
+    testbed.py kueue-build | kueue-up | kueue-down   Kueue with its webhooks on the kwok bed
     testbed.py cluster up [--nodes 2] [--gpus-per-node 4] [--image TAR ...]
                                            (`make cluster-up NODES=4`: 1..9 nodes, default 2)
     testbed.py cluster import [--node N] TAR...   image archives into the nodes (skips same image)
@@ -33,6 +34,7 @@ the images pods run are built by images.py.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import binaries
 import faults
+import kueuebed
 import kwoknodes
 import operatorchart
 import realbed
@@ -81,6 +84,9 @@ def _kwok_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     u.add_argument("--no-build", action="store_true",
                    help="fail instead of building missing binaries")
     sub.add_parser("down", help="stop what `up` started")
+    sub.add_parser("kueue-build", help="build or reuse Kueue (binary, CRDs, webhooks)")
+    sub.add_parser("kueue-up", help="start Kueue with its webhooks on the running bed")
+    sub.add_parser("kueue-down", help="remove Kueue's webhooks and stop it")
     sub.add_parser("env", help="print shell exports")
     sub.add_parser("status", help="show which components are alive")
 
@@ -236,6 +242,12 @@ def _kwok(a: argparse.Namespace) -> int:
             raise
     elif a.cmd == "down":
         kwoknodes.down(st)
+    elif a.cmd == "kueue-build":
+        print(binaries.build_kueue())
+    elif a.cmd == "kueue-up":
+        print(json.dumps(kueuebed.up(st)))
+    elif a.cmd == "kueue-down":
+        kueuebed.down(st)
     elif a.cmd == "restart":
         ready = faults.restart(st.root, a.component, a.down, a.crash)
         print(f"[testbed] {a.component} down {a.down:.0f}s, ready {ready:.1f}s after its start")

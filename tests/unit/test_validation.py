@@ -379,6 +379,25 @@ INVALID: list[Any] = [
     pytest.param(
         {"gpu": {"perPod": 0}}, "spec.gpu.perPod", "greater than or equal to 1", id="per-pod-zero"
     ),
+    # Scheduling: which scheduler reads which setting (validation.SCHEDULING_RULES).
+    pytest.param({"scheduling": {"priorityClassName": "high"}}, "spec.scheduling.queueName",
+                 "is required with schedulerName kueue", id="kueue-without-queue"),
+    pytest.param({"scheduling": {"schedulerName": "kai-scheduler"}},
+                 "spec.scheduling.queueName", "is required with schedulerName kueue",
+                 id="kai-without-queue"),
+    pytest.param({"scheduling": {"schedulerName": "scheduler-plugins", "queueName": "q"}},
+                 "spec.scheduling.queueName", "is not read by schedulerName scheduler-plugins",
+                 id="scheduler-plugins-with-queue"),
+    pytest.param({"scheduling": {"queueName": "q" * 64}}, "spec.scheduling.queueName",
+                 "at most 63 characters", id="queue-longer-than-a-label-value"),
+    pytest.param({"scheduling": {"schedulerName": "yunikorn", "queueName": "q",
+                                 "priorityClassName": "high"}},
+                 "spec.scheduling.priorityClassName", "is read only with schedulerName kueue",
+                 id="yunikorn-with-priority"),
+    pytest.param({"scheduling": {"queueName": "Team_A"}}, "spec.scheduling.queueName",
+                 "should match pattern", id="queue-not-dns-label"),
+    pytest.param({"scheduling": {"schedulerName": "slurm", "queueName": "q"}},
+                 "spec.scheduling.schedulerName", "Input should be", id="unknown-scheduler"),
 ]
 
 

@@ -23,7 +23,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller import informer
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
+from vllm_dp_operator.controller.kube import (
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    VDP,
+    WORKLOAD,
+    Kind,
+)
 from vllm_dp_operator.controller.manager import Controller
 from vllm_dp_operator.controller.watch_health import diagnose
 from vllm_dp_operator.reconcile.outcome import Event
@@ -296,3 +304,17 @@ def test_diagnose_names_the_kind_and_the_cause() -> None:
         "watch pods/v1: ClientConnectionError connection refused")
     busy = diagnose(POD, "list", None, ApiException(status=503, reason="Service Unavailable"))
     assert not busy.blocks and busy.message == "list pods/v1: HTTP 503 Service Unavailable"
+
+
+@pytest.mark.parametrize("status", [404, 403])
+async def test_kueue_absent_or_unreadable_blocks_nothing(bed: Bed, status: int) -> None:
+    # Kueue's Workloads are optional: without them a resource is served as before.
+    bed.api.refused = {WORKLOAD: status}
+    bed.ctl.start()
+    bed.add_owner()
+    await bed.until("the children", lambda: bed.api.named(RAYCLUSTER) and bed.api.named(SERVICE))
+    assert bed.condition() is None and bed.ctl.ready()[0]
+    assert bed.watch_ready("workloads.kueue.x-k8s.io/v1beta2") == 1  # nothing waits on it
+    reason = c.REASON_KIND_NOT_SERVED if status == 404 else c.REASON_WATCH_FORBIDDEN
+    assert (bed.failures("workloads.kueue.x-k8s.io/v1beta2", reason) or 0) >= 1
+    assert bed.watch_ready("rayclusters.ray.io/v1") == 1

@@ -78,6 +78,11 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: ["ray.io"]
   resources: ["rayclusters", "rayjobs"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Kueue's Workloads (one per RayCluster in a LocalQueue), read only: their conditions say why
+# a cluster is Queued or Preempted. Watched where Kueue is installed; harmless where not.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch"]
 # The child Service that fronts the OpenAI API.
 - apiGroups: [""]
   resources: ["services"]

@@ -222,6 +222,46 @@ class RaySpec(ApiModel):
     )
 
 
+#: A queue or priority class name: a DNS-1123 subdomain (Kueue's object names; YuniKorn's
+#: `root.team` queues) that fits a label value, where KubeRay and Kueue read it.
+QUEUE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
+class Scheduler(StrEnum):
+    """Who admits the Ray pods as one gang: Kueue, or a batch scheduler KubeRay v1.6.2 knows."""
+
+    KUEUE = "kueue"
+    VOLCANO = "volcano"
+    YUNIKORN = "yunikorn"
+    SCHEDULER_PLUGINS = "scheduler-plugins"
+    KAI_SCHEDULER = "kai-scheduler"
+
+
+class Scheduling(ApiModel):
+    """Queue-aware admission of the whole RayCluster (docs/scheduling.md)."""
+
+    scheduler_name: Scheduler = Field(
+        default=Scheduler.KUEUE,
+        description="kueue: the RayCluster joins a Kueue LocalQueue, and Kueue admits, "
+        "suspends and resumes it as one workload. volcano, yunikorn, scheduler-plugins, "
+        "kai-scheduler: the labels KubeRay's batch-scheduler plugin of that name reads (KubeRay "
+        "must run with --batch-scheduler=<the same name>).",
+    )
+    queue_name: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=QUEUE_NAME_PATTERN,
+        description="The queue: a Kueue LocalQueue in this namespace "
+        "(kueue.x-k8s.io/queue-name), a Volcano queue (volcano.sh/queue-name), a YuniKorn queue "
+        "(yunikorn.apache.org/queue) or a KAI queue (kai.scheduler/queue).",
+    )  # fmt: skip
+    priority_class_name: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=QUEUE_NAME_PATTERN,
+        description="Kueue: a WorkloadPriorityClass (kueue.x-k8s.io/priority-class), which "
+        "orders and preempts workloads without touching the pods. Volcano: a PriorityClass of "
+        "its PodGroup (ray.io/priority-class-name). For the pods' own priority use "
+        "spec.priorityClassName.",
+    )  # fmt: skip
+
+
 class VLLMDataParallelSpec(ApiModel):
     """Desired state: one data-parallel vLLM deployment on a Ray cluster."""
 
@@ -326,7 +366,13 @@ class VLLMDataParallelSpec(ApiModel):
     ray: RaySpec = Field(default_factory=RaySpec, description="The Ray cluster's settings.")
     suspend: JsonBool = Field(
         default=False,
-        description="Stop the engines and release the GPU pods, keeping the resource.",
+        description="Stop the engines and release the GPU pods, keeping the resource. In a "
+        "Kueue queue the RayCluster is deleted instead (Kueue owns its suspend), which frees "
+        "its quota; resuming queues a new one.",
+    )
+    scheduling: Scheduling | None = Field(
+        default=None,
+        description="Queue-aware admission: a Kueue queue and priority, or a gang scheduler.",
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.api.models import PackStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import PackStrategy, Scheduler, VLLMDataParallelSpec
 from vllm_dp_operator.api.quantity import quantity_value
 
 
@@ -205,6 +205,48 @@ def _reserved_list() -> str:
     return "[" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + "]"
 
 
+def _scheduler_of(spec: VLLMDataParallelSpec) -> str | None:
+    return spec.scheduling.scheduler_name if spec.scheduling is not None else None
+
+
+#: CEL for "scheduling is set and its scheduler is one of these" (its default is kueue).
+def _scheduler_in(*names: str) -> str:
+    listed = ", ".join(f"'{n}'" for n in names)
+    default = "!has(self.scheduling.schedulerName)" if Scheduler.KUEUE in names else "false"
+    return f"({default} || self.scheduling.schedulerName in [{listed}])"
+
+
+# Which scheduler reads which setting: KubeRay v1.6.2's plugins and Kueue (docs/scheduling.md).
+SCHEDULING_RULES: tuple[Rule, ...] = (
+    Rule(
+        field="scheduling.queueName",
+        cel="!has(self.scheduling) || has(self.scheduling.queueName) || "
+        f"!{_scheduler_in(Scheduler.KUEUE, Scheduler.KAI_SCHEDULER)}",
+        message="is required with schedulerName kueue (a LocalQueue in this namespace) and "
+        "kai-scheduler (KubeRay's KAI plugin refuses a cluster without a queue)",
+        holds=lambda s: s.scheduling is None or s.scheduling.queue_name is not None
+        or _scheduler_of(s) not in (Scheduler.KUEUE, Scheduler.KAI_SCHEDULER),
+    ),
+    Rule(
+        field="scheduling.queueName",
+        cel="!has(self.scheduling) || !has(self.scheduling.queueName) || "
+        f"!{_scheduler_in(Scheduler.SCHEDULER_PLUGINS)}",
+        message="is not read by schedulerName scheduler-plugins, which has no queues: leave it "
+        "unset",
+        holds=lambda s: s.scheduling is None or s.scheduling.queue_name is None
+        or _scheduler_of(s) != Scheduler.SCHEDULER_PLUGINS,
+    ),
+    Rule(
+        field="scheduling.priorityClassName",
+        cel="!has(self.scheduling) || !has(self.scheduling.priorityClassName) || "
+        f"{_scheduler_in(Scheduler.KUEUE, Scheduler.VOLCANO)}",
+        message="is read only with schedulerName kueue or volcano; for the others set "
+        "spec.priorityClassName, the pods' PriorityClass",
+        holds=lambda s: s.scheduling is None or s.scheduling.priority_class_name is None
+        or _scheduler_of(s) in (Scheduler.KUEUE, Scheduler.VOLCANO),
+    ),
+)  # fmt: skip
+
 RULES: tuple[Rule, ...] = (
     Rule(
         field="dataParallel.size",
@@ -320,6 +362,7 @@ RULES: tuple[Rule, ...] = (
         message="must not name a variable twice",
         holds=lambda s: len({e.name for e in s.env}) == len(s.env),
     ),
+    *SCHEDULING_RULES,
 )
 
 @dataclass(frozen=True)

@@ -19,7 +19,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
+from vllm_dp_operator.controller.kube import (
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    VDP,
+    WORKLOAD,
+    Kind,
+    Kube,
+)
 from vllm_dp_operator.reconcile.status import rfc3339
 
 Obj = dict[str, Any]
@@ -64,13 +73,19 @@ def _slim_pod(obj: Obj) -> Obj:
             "status": obj.get("status") or {}}  # fmt: skip
 
 
+def _slim_workload(obj: Obj) -> Obj:
+    # Its conditions say why Kueue holds a cluster; its pod sets (whole templates) say nothing.
+    status = obj.get("status") or {}
+    return {"spec": {}, "status": {"conditions": status.get("conditions") or []}}
+
+
 def _slim_whole(obj: Obj) -> Obj:
     return {"spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
 
 
 _SLIM: dict[Kind, Callable[[Obj], Obj]] = {
     RAYCLUSTER: _slim_cluster, RAYJOB: _slim_job, POD: _slim_pod,
-    SERVICE: _slim_whole, VDP: _slim_whole,
+    SERVICE: _slim_whole, VDP: _slim_whole, WORKLOAD: _slim_workload,
 }  # fmt: skip
 
 

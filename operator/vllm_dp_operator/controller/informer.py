@@ -47,6 +47,9 @@ REFUSED_AFTER_SECONDS = 10.0
 #: A watch open this long without an error is working: its problem is gone. Longer than the
 #: watch's connect timeout (10 s), so a connection still being attempted is no proof.
 WATCH_WORKS_SECONDS = 15.0
+#: An optional kind (Kueue's Workloads) that is not served or not readable is looked for again
+#: this often: Kueue installed later is seen within a minute, at one request a minute.
+OPTIONAL_RETRY_SECONDS = 60.0
 
 
 class WatchApi(Protocol):
@@ -77,9 +80,12 @@ class Reflector:
         self, api: WatchApi, cache: ObjectCache, kind: Kind, namespace: str | None,
         selector: str, on_change: Callable[[Obj], None], page_size: int = 500,
         watch_seconds: tuple[int, int] = (300, 600),
-        on_health: Callable[[], None] = lambda: None,
+        on_health: Callable[[], None] = lambda: None, optional: bool = False,
     ) -> None:  # fmt: skip
         self.api, self.cache, self.kind = api, cache, kind
+        #: A kind some clusters lack (Kueue's): absent or unreadable, it is an empty cache, not
+        #: a reason to serve no resource.
+        self.optional = optional
         self.namespace, self.selector = namespace, selector
         self.on_change = on_change
         self.page_size = page_size
@@ -127,13 +133,25 @@ class Reflector:
                 if isinstance(exc, ApiException) and exc.status == 410:
                     self.resource_version = None
                 delay = min(max(delay * 2, 0.5), RETRY_CAP_SECONDS)
-                self._failed(diagnose(self.kind, verb, self.namespace, exc))
+                problem = diagnose(self.kind, verb, self.namespace, exc)
+                self._failed(problem)
+                if self.optional and problem.blocks:
+                    delay = OPTIONAL_RETRY_SECONDS
+                    self._absent()
+
+    def _absent(self) -> None:
+        # What was cached is gone with the kind (a deleted CRD takes its objects along).
+        for obj in self.cache.replace(self.kind, [], self.namespace, self.cache.writes):
+            self.on_change(obj)
+        if not self.synced.is_set():
+            self.synced.set()
+            self.on_health()
 
     @property
     def refused(self) -> WatchProblem | None:
         """The problem, when it is a 404 or 403 that has lasted REFUSED_AFTER_SECONDS."""
         problem = self.problem
-        if problem is None or not problem.blocks:
+        if problem is None or not problem.blocks or self.optional:
             return None
         if time.monotonic() - self._problem_since < REFUSED_AFTER_SECONDS:
             return None
@@ -176,8 +194,10 @@ class Reflector:
         if self.problem is None or self.problem.cause != problem.cause:
             self.problem = problem
             self._problem_since, self._refusal_told = time.monotonic(), False
-            log.warning("%r: %s; retrying every %.0fs at most (logged again when the cause "
-                        "changes)", self, problem.message, RETRY_CAP_SECONDS)  # fmt: skip
+            level = logging.INFO if self.optional else logging.WARNING  # Kueue is no must
+            cap = OPTIONAL_RETRY_SECONDS if self.optional else RETRY_CAP_SECONDS
+            log.log(level, "%r: %s; retrying every %.0fs at most (logged again when the cause "
+                    "changes)", self, problem.message, cap)  # fmt: skip
             self.on_health()
         if not self._refusal_told and self.refused is not None:
             self._refusal_told = True  # the retry that finds it lasting says so, once

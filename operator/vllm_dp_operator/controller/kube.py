@@ -46,6 +46,8 @@ SERVICE = Kind("", "v1", "services")
 POD = Kind("", "v1", "pods")
 #: Created only (each resource's Ray token Secret), never read, listed or watched.
 SECRET = Kind("", "v1", "secrets")
+#: Kueue's Workloads (one per RayCluster in a LocalQueue); watched only where Kueue is installed.
+WORKLOAD = Kind(constants.KUEUE_GROUP, constants.KUEUE_VERSION, "workloads")
 
 
 class AlreadyExists(Exception):

@@ -58,6 +58,7 @@ from vllm_dp_operator.controller.kube import (
     RAYJOB,
     SERVICE,
     VDP,
+    WORKLOAD,
     Kind,
     Kube,
     NamespaceTerminating,
@@ -149,7 +150,7 @@ class Controller:
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
         self.post_event = post_event or self._post
         self.clock = clock
-        self.cache = ObjectCache((*CHILD_KINDS, VDP))
+        self.cache = ObjectCache((*CHILD_KINDS, WORKLOAD, VDP))
         self.kube = CachedKube(api, self.cache)
         self.queue: WorkQueue[Key] = WorkQueue()
         self.reflectors = [
@@ -158,6 +159,11 @@ class Controller:
                       on_health=self._watch_health_changed)
             for kind in CHILD_KINDS
         ]  # fmt: skip
+        # Kueue's Workloads carry no label of ours (Kueue makes them): all of them are watched,
+        # slimmed to their conditions, where Kueue is installed, and none where it is not.
+        self.reflectors.append(
+            Reflector(api, self.cache, WORKLOAD, namespace, "", self._workload_changed,
+                      on_health=self._watch_health_changed, optional=True))  # fmt: skip
         #: What the resources were last woken for: (synced, the blocking causes).
         self._watch_state: tuple[bool, tuple[str, ...]] = (False, ())
         #: What woke resources, by source: the owner, a child kind, a follow-up, a retry.
@@ -270,6 +276,8 @@ class Controller:
 
     def watch_states(self) -> list[WatchState]:
         """Per child kind: listed and served now, and failed attempts by reason (metrics)."""
+        # An optional kind (Kueue's) absent or unreadable is ready: nothing waits on it. Its
+        # failed attempts still count by reason.
         return [WatchState(kind_name(r.kind),
                            r.synced.is_set() and r.refused is None,
                            dict(r.failures)) for r in self.reflectors]  # fmt: skip
@@ -345,6 +353,16 @@ class Controller:
         if key is not None:
             self.wakes[kind.plural] += 1
             self.queue.add(key)
+
+    def _workload_changed(self, obj: Obj) -> None:
+        # A Workload is its RayCluster's (Kueue's controller owner reference): wake that
+        # cluster's owner.
+        meta = obj.get("metadata") or {}
+        for ref in meta.get("ownerReferences") or []:
+            if ref.get("kind") == "RayCluster" and ref.get("controller"):
+                cluster = self.cache.peek(RAYCLUSTER, meta.get("namespace") or "", ref["name"])
+                if cluster is not None:
+                    self._child_changed(WORKLOAD, cluster)
 
     # ------------------------------------------------------------------ workers
 

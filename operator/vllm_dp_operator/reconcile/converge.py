@@ -23,6 +23,7 @@ from vllm_dp_operator.controller.kube import (
     RAYJOB,
     SECRET,
     SERVICE,
+    WORKLOAD,
     AlreadyExists,
     Kube,
 )
@@ -31,6 +32,7 @@ from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
+from vllm_dp_operator.reconcile.queueing import QueueState, queue_state
 from vllm_dp_operator.reconcile.status import (
     PodAsks,
     cluster_readiness,
@@ -41,6 +43,7 @@ from vllm_dp_operator.reconcile.status import (
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
 from vllm_dp_operator.render.raytoken import build_ray_token_secret
+from vllm_dp_operator.render.scheduling import kueue_queue
 
 __all__ = ["Outcome", "Resource", "reconcile"]
 
@@ -105,28 +108,35 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
 
 
 async def _ensure_cluster(
-    kube: Kube, desired: dict[str, Any], observed: list[dict[str, Any]], st: StatusDoc
+    kube: Kube, desired: dict[str, Any], observed: list[dict[str, Any]], st: StatusDoc,
+    queued: bool, suspend: bool,
 ) -> dict[str, Any] | None:
-    """Delete clusters of another shape, create the desired one; return it if it exists."""
+    """Delete clusters of another shape, create the desired one; return it if it exists.
+
+    In a Kueue queue (`queued`) Kueue owns the cluster's spec.suspend: it is never written
+    here, and the resource's own suspend deletes the cluster instead, freeing its quota.
+    """  # fmt: skip
     name, ns = desired["metadata"]["name"], desired["metadata"]["namespace"]
     current = None
     for cluster in observed:
-        if cluster["metadata"]["name"] == name:
+        if cluster["metadata"]["name"] == name and not (queued and suspend):
             current = cluster
             continue
         if cluster["metadata"].get("deletionTimestamp"):
             continue
         await kube.delete(RAYCLUSTER, ns, cluster["metadata"]["name"])
-        st.event(
-            c.EVENT_NORMAL, c.REASON_CLUSTER_RESHAPED,
-            f"Deleted RayCluster {cluster['metadata']['name']}: the spec now needs {name}",
-        )  # fmt: skip
+        why = ("suspended, which frees its Kueue quota" if queued and suspend
+               else f"the spec now needs {name}")  # fmt: skip
+        st.event(c.EVENT_NORMAL, c.REASON_CLUSTER_RESHAPED,
+                 f"Deleted RayCluster {cluster['metadata']['name']}: {why}")  # fmt: skip
+    if queued and suspend:
+        return None
     if current is None:
         await _create(kube, RAYCLUSTER, desired)
         st.event(c.EVENT_NORMAL, c.REASON_CLUSTER_CREATED, f"Created RayCluster {name}")
         return None
     want_suspend = desired["spec"]["suspend"]
-    if bool((current.get("spec") or {}).get("suspend")) != want_suspend:
+    if not queued and bool((current.get("spec") or {}).get("suspend")) != want_suspend:
         await kube.patch(RAYCLUSTER, ns, name, {"spec": {"suspend": want_suspend}})
     return current
 
@@ -191,6 +201,15 @@ async def _provisioning(
     return st.outcome()
 
 
+def _queued(st: StatusDoc, state: QueueState) -> Outcome:
+    # No head job runs meanwhile: none failed, and none is launched into a suspended cluster.
+    for type_ in (c.COND_CLUSTER_READY, c.COND_HEAD_JOB_RUNNING, c.COND_READY):
+        st.cond(type_, False, state.reason, state.message)
+    st.doc["headJob"] = None
+    st.phase(state.phase, state.message)
+    return st.outcome()
+
+
 async def reconcile(
     res: Resource, kube: Kube, probe: HealthProbe, ray_jobs: RayJobs, cfg: Config, now: datetime
 ) -> Outcome:
@@ -230,13 +249,26 @@ async def reconcile(
         if not any(cl["metadata"]["name"] == cluster_name for cl in clusters):
             # Before the cluster, whose pods read it; the operator never reads it back.
             await _create(kube, SECRET, token_secret)
-    cluster = await _ensure_cluster(kube, desired, clusters, st)
+    queue = kueue_queue(spec)
+    cluster = await _ensure_cluster(kube, desired, clusters, st, queue is not None, spec.suspend)
+    # Kueue holds the cluster suspended until it admits it, and again when it evicts it.
+    held = queue is not None and cluster is not None and bool(cluster["spec"].get("suspend"))
 
     # Attempts count every head job seen, pruned or terminating ones too: names never repeat.
     st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
-    live = await _drop_jobs_without_pods(kube, ns, jobs, cluster_name, spec.suspend)
+    live = await _drop_jobs_without_pods(kube, ns, jobs, cluster_name, spec.suspend or held)
+    if held and not spec.suspend:
+        assert cluster is not None and queue is not None
+        workloads = await kube.list(WORKLOAD, ns, f"{c.LABEL_KUEUE_JOB_UID}="
+                                    f"{cluster['metadata'].get('uid')}")  # fmt: skip
+        return _queued(st, queue_state(cluster_name, queue, next(iter(workloads), None)))
+    if queue is not None and cluster is None and not spec.suspend:
+        return _queued(st, queue_state(cluster_name, queue, None))  # just created
     if spec.suspend:
-        message = f"Suspended: RayCluster {cluster_name} scaled to no pods, head job stopped"
+        message = (f"Suspended: RayCluster {cluster_name} deleted, its quota in LocalQueue "
+                   f"{queue} freed; resuming queues it again" if queue is not None
+                   else f"Suspended: RayCluster {cluster_name} scaled to no pods, head job "
+                   "stopped")  # fmt: skip
         for type_ in (c.COND_CLUSTER_READY, c.COND_HEAD_JOB_RUNNING, c.COND_READY):
             st.cond(type_, False, c.REASON_SUSPENDED, message)
         st.doc["headJob"] = None

@@ -11,6 +11,7 @@ from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.render.meta import metadata
+from vllm_dp_operator.render.scheduling import kueue_queue, scheduling_labels
 
 WORKER_GROUP = "gpu"
 SHM_VOLUME = "dshm"
@@ -172,11 +173,18 @@ def _cluster_spec(
     return cluster
 
 
+def _shape(body: dict[str, Any], queue_labels: dict[str, str]) -> str:
+    # The queue labels are read when the cluster is admitted or its pods made: another queue
+    # means another cluster. Without any the hash is what it always was (no cluster renamed).
+    return names.content_hash({**body, "scheduling": queue_labels} if queue_labels else body)
+
+
 def cluster_hash(
     instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions
 ) -> str:
     """Hash of everything that shapes the pods; a new value means a new RayCluster."""
-    return names.content_hash(_cluster_spec(instance, spec, plan, options))
+    body = _cluster_spec(instance, spec, plan, options)
+    return _shape(body, scheduling_labels(spec.scheduling))
 
 
 def build_raycluster(
@@ -189,13 +197,17 @@ def build_raycluster(
 ) -> dict[str, Any]:
     """The RayCluster manifest for a plan; its name carries the shape hash."""
     body = _cluster_spec(instance, spec, plan, options)
-    shape = names.content_hash(body)
+    queue_labels = scheduling_labels(spec.scheduling)
+    shape = _shape(body, queue_labels)
     labels = {
+        **queue_labels,
         **names.instance_labels(instance, constants.COMPONENT_ENGINE),
         constants.LABEL_CLUSTER_HASH: shape,
     }
-    # Suspending keeps the shape: it stops the pods without creating a new cluster.
-    body["suspend"] = spec.suspend
+    # Suspending keeps the shape: it stops the pods without creating a new cluster. In a
+    # Kueue queue it is made suspended, as Kueue's webhook would make it, and Kueue alone
+    # unsuspends it (the operator never writes the field after that: reconcile/converge.py).
+    body["suspend"] = True if kueue_queue(spec) else spec.suspend
     return {
         "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
         "kind": "RayCluster",
