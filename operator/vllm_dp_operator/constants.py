@@ -73,8 +73,14 @@ LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 LABEL_CLUSTER: Final = f"{GROUP}/cluster"
 LABEL_RAY_CLUSTER: Final = "ray.io/cluster"
 LABEL_RAY_NODE_TYPE: Final = "ray.io/node-type"
-# On the head pod while its vLLM answers /health; the API Service selects it.
-LABEL_SERVING: Final = f"{GROUP}/serving"
+# The head pod label versions before the EndpointSlice routing set (and a Service selected).
+# The operator neither sets nor removes it now (it writes no pods); named for the docs' sake.
+LEGACY_LABEL_SERVING: Final = f"{GROUP}/serving"
+# EndpointSlice labels: the Service a slice belongs to, and who manages it. Ours is not the
+# EndpointSlice controller's value, so neither it nor the mirroring controller touches it.
+LABEL_SERVICE_NAME: Final = "kubernetes.io/service-name"
+LABEL_SLICE_MANAGED_BY: Final = "endpointslice.kubernetes.io/managed-by"
+SLICE_MANAGER: Final = f"{GROUP}/operator"
 # Annotations on a head RayJob: the head pod it was launched on, and how its stop went.
 ANNOTATION_HEAD_POD_UID: Final = f"{GROUP}/head-pod-uid"
 ANNOTATION_RETIRE_STARTED: Final = f"{GROUP}/retire-started-at"
@@ -87,6 +93,8 @@ MANAGER: Final = "vllm-dp-operator"
 COMPONENT_ENGINE: Final = "engine"
 COMPONENT_HEAD_JOB: Final = "head-job"
 COMPONENT_API: Final = "api"
+# The API Service's one port: its EndpointSlice's port must carry the same name.
+API_PORT_NAME: Final = "http"
 
 # Phases.
 PHASE_INVALID: Final = "Invalid"

@@ -84,7 +84,8 @@ class Bed:
         labels = {c.LABEL_RAY_CLUSTER: name, c.LABEL_RAY_NODE_TYPE: "head",
                   c.LABEL_INSTANCE: "demo", c.LABEL_MANAGED_BY: c.MANAGER}  # fmt: skip
         self.api.put(POD, {"metadata": {"name": f"{name}-head", "labels": labels},
-                           "status": {"phase": "Running"}})  # fmt: skip
+                           "status": {"phase": "Running", "podIP": "10.0.0.9", "conditions": [
+                               {"type": "Ready", "status": "True"}]}})  # fmt: skip
         workers = cluster["spec"]["workerGroupSpecs"][0]["replicas"]
         self.api.set_status(RAYCLUSTER, "default", name, {
             "state": "ready", "readyWorkerReplicas": workers,
@@ -229,16 +230,19 @@ async def test_api_calls_per_reconcile_are_pinned_and_never_list() -> None:
             await bed.ctl.status.idle()  # status changes are written in the background
             return {k: v for k, v in (Counter(bed.api.calls) - before).items() if v}
 
-        assert await one() == {"create": 2, "patch_status": 1}  # Service, RayCluster, status
+        # Service, RayCluster, its EndpointSlice (no endpoint yet), status.
+        assert await one() == {"create": 3, "patch_status": 1}
         assert await one() == {"patch_status": 1}  # the RayCluster is seen: a new message
         assert await one() == {}
         bed.cluster_ready()
         # The head job; before it, one GET: is the owner still there (kopf reports no
         # deletion it missed in a 410, and children for a dead owner would be orphans)?
-        assert await one() == {"create": 1, "get": 1, "patch_status": 1}
+        # The slice gets the head pod's address, not ready yet (the patch).
+        assert await one() == {"create": 1, "get": 1, "patch": 1, "patch_status": 1}
         bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "RUNNING"})
         bed.probe.ok = True
-        assert await one() == {"patch": 1, "patch_status": 1}  # the head pod's label; Serving
+        # The slice's endpoint turns ready (no pod is written); Serving.
+        assert await one() == {"patch": 1, "patch_status": 1}
         probes = bed.probe.calls
         for _ in range(5):
             assert await one() == {}, "steady state: no API call at all"

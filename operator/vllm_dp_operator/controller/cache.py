@@ -19,7 +19,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind, Kube
+from vllm_dp_operator.controller.kube import (
+    ENDPOINTSLICE,
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    VDP,
+    Kind,
+    Kube,
+)
 from vllm_dp_operator.reconcile.status import rfc3339
 
 Obj = dict[str, Any]
@@ -64,13 +73,18 @@ def _slim_pod(obj: Obj) -> Obj:
             "status": obj.get("status") or {}}  # fmt: skip
 
 
+def _slim_slice(obj: Obj) -> Obj:
+    # An EndpointSlice has no spec or status: its body is these top-level fields.
+    return {k: obj[k] for k in ("addressType", "endpoints", "ports") if k in obj}
+
+
 def _slim_whole(obj: Obj) -> Obj:
     return {"spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
 
 
 _SLIM: dict[Kind, Callable[[Obj], Obj]] = {
     RAYCLUSTER: _slim_cluster, RAYJOB: _slim_job, POD: _slim_pod,
-    SERVICE: _slim_whole, VDP: _slim_whole,
+    SERVICE: _slim_whole, VDP: _slim_whole, ENDPOINTSLICE: _slim_slice,
 }  # fmt: skip
 
 

@@ -44,6 +44,10 @@ RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
 RAYJOB = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayjobs")
 SERVICE = Kind("", "v1", "services")
 POD = Kind("", "v1", "pods")
+ENDPOINTSLICE = Kind("discovery.k8s.io", "v1", "endpointslices")
+#: Only deleted, once, when a Service of an earlier version loses its selector: the endpoints
+#: controller leaves its last Endpoints behind, which the mirroring controller would copy.
+ENDPOINTS = Kind("", "v1", "endpoints")
 
 
 class AlreadyExists(Exception):

@@ -2,7 +2,7 @@
 
     kopf on.event (VLLMDataParallel) ──▶ owner cache ──┐ new object, new generation
     reflectors (RayCluster, RayJob,  ──▶ child cache ──┤ any change of a child, by its
-                Service, Pod)                          │ app.kubernetes.io/instance label
+                Service, EndpointSlice, Pod)           │ app.kubernetes.io/instance label
                                                        ▼
     timers (probe cadence, backoff end, resync) ──▶ WorkQueue ──▶ K workers ──▶ reconcile()
                                                                    (reads the cache; writes
@@ -53,6 +53,7 @@ from vllm_dp_operator.controller.cache import (
 from vllm_dp_operator.controller.events import EventPoster
 from vllm_dp_operator.controller.informer import Reflector, WatchApi
 from vllm_dp_operator.controller.kube import (
+    ENDPOINTSLICE,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -85,7 +86,7 @@ from vllm_dp_operator.reconcile.outcome import Event, Outcome, Resource
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
-CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, POD)
+CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, ENDPOINTSLICE, POD)
 #: Longest a status patch or an Event waits for the reconciles to drain.
 QUIET_WAIT = 2.0
 

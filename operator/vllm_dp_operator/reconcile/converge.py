@@ -23,6 +23,7 @@ from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
+from vllm_dp_operator.reconcile.routing import Router
 from vllm_dp_operator.reconcile.status import PodAsks, cluster_readiness, explain_pending
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
@@ -76,7 +77,9 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
     want = desired["spec"]
     want_ports = [(p["port"], p["targetPort"]) for p in want["ports"]]
     drift = (
-        spec.get("selector") != want["selector"]
+        # Versions before the EndpointSlice routing selected the head pod by a label; the
+        # selector goes (merge patch: null removes it), and routing's slice takes over.
+        spec.get("selector") is not None
         or ports != want_ports
         or spec.get("type") != want["type"]
         or any(
@@ -85,7 +88,8 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
         )
     )
     if drift:
-        patch = {"metadata": {"annotations": meta.get("annotations") or {}}, "spec": want}
+        patch = {"metadata": {"annotations": meta.get("annotations") or {}},
+                 "spec": {**want, "selector": None}}  # fmt: skip
         await kube.patch(SERVICE, meta["namespace"], meta["name"], patch)
 
 
@@ -185,8 +189,18 @@ async def reconcile(
                      res.uid)  # fmt: skip
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
-    await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner), res.uid)
+    await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
     cluster = await _ensure_cluster(kube, desired, clusters, st)
+    cluster_uid = cluster["metadata"].get("uid") if cluster is not None else None
+    head_pod = None
+    if cluster is not None:
+        head_pod = head_pod_of(_ours(await kube.list(POD, ns,
+                                                     names.head_pod_selector(cluster_name)),
+                                     cluster_uid))  # fmt: skip
+    router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner)
+    if spec.suspend or cluster is None:
+        # Unrouted before their head jobs are deleted: no new request meets a stopping engine.
+        await router.route(False)
 
     # Attempts count every head job seen, pruned or terminating ones too: names never repeat.
     st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
@@ -201,16 +215,17 @@ async def reconcile(
 
     if cluster is None:
         return await _provisioning(kube, res, spec, plan, cluster_name, None, "just created", st)
-    cluster_uid = cluster["metadata"].get("uid")
-    head_pod = head_pod_of(_ours(await kube.list(POD, ns, names.head_pod_selector(cluster_name)),
-                                 cluster_uid))  # fmt: skip
     readiness = cluster_readiness(cluster, plan.worker_pods, head_pod)
     if not readiness.ready:
+        # Not ready is no evidence that the engine is gone: keep the route as it is, unless the
+        # head pod itself is gone or not Ready (routing.route_ready).
+        await router.route(None)
         return await _provisioning(kube, res, spec, plan, cluster_name, cluster_uid,
                                    readiness.message, st)  # fmt: skip
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
     live.sort(key=_attempt)
-    flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st)
+    flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
+                    router.route)  # fmt: skip
     await flow.converge(live)
     return st.outcome()
