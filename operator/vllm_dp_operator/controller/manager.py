@@ -34,7 +34,7 @@ import contextlib
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -142,7 +142,7 @@ class Controller:
 
     def __init__(
         self, api: ControllerApi, cfg: Config, probe: HealthProbe, ray_jobs: RayJobs,
-        namespace: str | None = None, post_event: Callable[[Obj, Event], None] | None = None,
+        namespaces: Sequence[str] = (), post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         metrics: OperatorMetrics | None = None, leading: bool = True,
     ) -> None:  # fmt: skip
@@ -153,11 +153,13 @@ class Controller:
         self.cache = ObjectCache((*CHILD_KINDS, VDP))
         self.kube = CachedKube(api, self.cache)
         self.queue: WorkQueue[Key] = WorkQueue()
+        # One reflector per kind and watched namespace (a Role grants list/watch in its own
+        # namespace only), or per kind across all namespaces when none is listed.
         self.reflectors = [
             Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR,
                       lambda obj, kind=kind: self._child_changed(kind, obj),  # type: ignore[misc]
                       on_health=self._watch_health_changed)
-            for kind in CHILD_KINDS
+            for kind in CHILD_KINDS for namespace in (tuple(namespaces) or (None,))
         ]  # fmt: skip
         #: What the resources were last woken for: (synced, the blocking causes).
         self._watch_state: tuple[bool, tuple[str, ...]] = (False, ())
@@ -271,9 +273,13 @@ class Controller:
 
     def watch_states(self) -> list[WatchState]:
         """Per child kind: listed and served now, and failed attempts by reason (metrics)."""
-        return [WatchState(kind_name(r.kind),
-                           r.synced.is_set() and r.refused is None,
-                           dict(r.failures)) for r in self.reflectors]  # fmt: skip
+        states: dict[Kind, WatchState] = {}
+        for r in self.reflectors:  # several namespaces of one kind make one state
+            prior = states.get(r.kind, WatchState(kind_name(r.kind), True, {}))
+            states[r.kind] = WatchState(prior.kind,
+                                        prior.ready and r.synced.is_set() and r.refused is None,
+                                        dict(Counter(prior.failures) + Counter(r.failures)))
+        return list(states.values())
 
     def _watch_health_changed(self) -> None:
         # A cache was filled, or a kind became unserved or served again: look at every
