@@ -112,6 +112,15 @@ async def test_a_cluster_not_ready_for_a_worker_keeps_the_route() -> None:
     assert w.routed()
 
 
+async def test_a_cluster_not_ready_and_a_failed_head_job_unroutes() -> None:
+    w = await serving()
+    w.clusters()[0]["status"]["readyWorkerReplicas"] = 0
+    w.job_status("demo-j00001", jobStatus="FAILED", jobDeploymentStatus="Failed")
+    await w.step()
+    assert w.status["phase"] == c.PHASE_PROVISIONING
+    assert not w.routed()
+
+
 async def test_head_pod_deleted_unroutes() -> None:
     w = await serving()
     pod = w.head_pod()

@@ -23,7 +23,7 @@ from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
-from vllm_dp_operator.reconcile.routing import Router
+from vllm_dp_operator.reconcile.routing import Router, while_not_ready
 from vllm_dp_operator.reconcile.status import PodAsks, cluster_readiness, explain_pending
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
@@ -216,15 +216,15 @@ async def reconcile(
     if cluster is None:
         return await _provisioning(kube, res, spec, plan, cluster_name, None, "just created", st)
     readiness = cluster_readiness(cluster, plan.worker_pods, head_pod)
+    live.sort(key=_attempt)
     if not readiness.ready:
-        # Not ready is no evidence that the engine is gone: keep the route as it is, unless the
-        # head pod itself is gone or not Ready (routing.route_ready).
-        await router.route(None)
+        # Not ready is no evidence that the engine is gone: the route stays while the head job
+        # runs, unless the head pod itself is gone or not Ready (routing.route_ready).
+        await router.route(while_not_ready(live))
         return await _provisioning(kube, res, spec, plan, cluster_name, cluster_uid,
                                    readiness.message, st)  # fmt: skip
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
-    live.sort(key=_attempt)
     flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
                     router.route)  # fmt: skip
     await flow.converge(live)

@@ -17,6 +17,7 @@ from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.controller.cache import controller_uid
 from vllm_dp_operator.controller.kube import ENDPOINTS, ENDPOINTSLICE, AlreadyExists, Kube
+from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.reconcile.status import pod_ready
 from vllm_dp_operator.render import build_endpoint_slice
 
@@ -43,6 +44,14 @@ def route_ready(routed: bool | None, head_pod: Obj | None, current: Obj | None) 
     if routed is None:
         return _slice_ready_for(current, head_pod["metadata"].get("uid") or "")
     return routed
+
+
+def while_not_ready(jobs: list[Obj]) -> bool | None:
+    """The decision while the cluster is not ready (a worker lost, say): no evidence by itself,
+    so keep the route (None) while the newest head job runs; its end or failure unroutes."""
+    if jobs and job_state(jobs[-1]) in (JobState.PENDING, JobState.RUNNING):
+        return None
+    return False
 
 
 def _shape(obj: Obj) -> tuple[Any, ...]:
