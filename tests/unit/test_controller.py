@@ -19,7 +19,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.events import EVENT, EventPoster
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
+from vllm_dp_operator.controller.kube import (
+    ENDPOINTSLICE,
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    VDP,
+    Kind,
+)
 from vllm_dp_operator.controller.manager import Controller, next_wake
 from vllm_dp_operator.engines.probe import EngineReading, ProbeResult
 from vllm_dp_operator.reconcile.outcome import Event, Outcome
@@ -249,8 +257,31 @@ async def test_api_calls_per_reconcile_are_pinned_and_never_list() -> None:
         assert bed.probe.calls == probes + 5
         assert bed.ctl.kube.api_reads == 0
         assert bed.api.calls["list"] == 0 and bed.api.calls["get"] == 1
+        assert ("patch", "endpointslices", "demo-api") in bed.api.writes
+        assert [w for w in bed.api.writes if w[1] == "pods"] == []  # no pod PATCH, ever
     finally:
         await bed.ctl.stop()
+
+
+def _ready(bed: Bed) -> list[bool]:
+    eps = bed.api.objects.get((ENDPOINTSLICE, "default", "demo-api"))
+    return [e["conditions"]["ready"] for e in (eps or {}).get("endpoints") or []]
+
+
+async def test_a_deleted_or_edited_slice_is_put_back_through_its_watch(bed: Bed) -> None:
+    await bed.owner_with_cluster()
+    bed.cluster_ready()
+    await bed.until("the head job", lambda: bed.names(RAYJOB) == ["demo-j00001"])
+    bed.probe.ok = True
+    bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "RUNNING"})
+    await bed.until("routed", lambda: _ready(bed) == [True])
+    await bed.settle()
+    await bed.api.delete(ENDPOINTSLICE, "default", "demo-api")  # someone deletes it
+    await bed.until("the slice back, routed", lambda: _ready(bed) == [True])
+    await bed.settle()
+    await bed.api.patch(ENDPOINTSLICE, "default", "demo-api", {"endpoints": []})  # or edits it
+    await bed.until("the slice repaired", lambda: _ready(bed) == [True])
+    assert [w for w in bed.api.writes if w[1] == "pods"] == []  # never a pod write
 
 
 async def test_a_burst_of_child_events_is_coalesced(bed: Bed) -> None:
