@@ -73,7 +73,7 @@ LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 LABEL_CLUSTER: Final = f"{GROUP}/cluster"
 LABEL_RAY_CLUSTER: Final = "ray.io/cluster"
 LABEL_RAY_NODE_TYPE: Final = "ray.io/node-type"
-# The head pod label versions before the EndpointSlice routing set (and a Service selected).
+# The head pod label that versions before the EndpointSlice routing set, and their Service selected.
 # The operator neither sets nor removes it now (it writes no pods); named for the docs' sake.
 LEGACY_LABEL_SERVING: Final = f"{GROUP}/serving"
 # EndpointSlice labels: the Service a slice belongs to, and who manages it. Ours is not the
