@@ -80,7 +80,8 @@ LEGACY_LABEL_SERVING: Final = f"{GROUP}/serving"
 # EndpointSlice controller's value, so neither it nor the mirroring controller touches it.
 LABEL_SERVICE_NAME: Final = "kubernetes.io/service-name"
 LABEL_SLICE_MANAGED_BY: Final = "endpointslice.kubernetes.io/managed-by"
-SLICE_MANAGER: Final = f"{GROUP}/operator"
+# A label value (no slash), in the EndpointSlice controller's own form (`<controller>.<domain>`).
+SLICE_MANAGER: Final = f"vllm-dp-operator.{GROUP}"
 # Annotations on a head RayJob: the head pod it was launched on, and how its stop went.
 ANNOTATION_HEAD_POD_UID: Final = f"{GROUP}/head-pod-uid"
 ANNOTATION_RETIRE_STARTED: Final = f"{GROUP}/retire-started-at"

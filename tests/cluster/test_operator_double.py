@@ -98,7 +98,7 @@ def test_service_answers_from_host_and_pod(vdp: Vdp) -> None:
     eps = vdp.cluster.kubectl_json("get", "endpointslices", "-n", vdp.ns, "-l",
                                    f"kubernetes.io/service-name={NAME}-api")["items"]  # fmt: skip
     assert [e["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] for e in eps] == [
-        "vllmdp.io/operator"]
+        "vllm-dp-operator.vllmdp.io"]
     [endpoint] = eps[0]["endpoints"]
     assert endpoint["addresses"] == [head["status"]["podIP"]]
     assert endpoint["conditions"]["ready"] is True

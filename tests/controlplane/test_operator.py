@@ -73,7 +73,7 @@ def test_example_becomes_cluster_pods_head_job_and_service(
     assert "selector" not in svc["spec"]
     (eps,) = items(testbed, ns, "endpointslices", f"kubernetes.io/service-name={name}-api")
     assert eps["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] == \
-        "vllmdp.io/operator"
+        "vllm-dp-operator.vllmdp.io"
     assert eps["metadata"]["ownerReferences"][0]["kind"] == "VLLMDataParallel"
     assert all(not e["conditions"]["ready"] for e in eps.get("endpoints") or [])  # Launching
     assert st["endpoint"] == f"http://{name}-api.{ns}.svc:8000/v1"

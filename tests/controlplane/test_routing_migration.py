@@ -76,7 +76,7 @@ def test_a_selector_service_is_made_selector_less_and_its_slices_replaced(
         def taken_over() -> bool:
             svc = testbed.kubectl_json("-n", ns, "get", "service", f"{NAME}-api")
             return "selector" not in svc["spec"] and _managers(testbed, ns) == [
-                "vllmdp.io/operator"]
+                "vllm-dp-operator.vllmdp.io"]
 
         testbed.wait_until("the selector gone and only the operator's slice left", taken_over,
                            timeout=60)  # fmt: skip

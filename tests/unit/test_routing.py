@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -33,7 +34,7 @@ def test_slice_belongs_to_the_service_by_label_port_name_and_owner() -> None:
     assert labels[c.LABEL_SERVICE_NAME] == svc["metadata"]["name"] == "demo-api"
     # Not the EndpointSlice controller's value: neither it nor the mirroring controller
     # touches a slice another manager owns.
-    assert labels[c.LABEL_SLICE_MANAGED_BY] == "vllmdp.io/operator"
+    assert labels[c.LABEL_SLICE_MANAGED_BY] == "vllm-dp-operator.vllmdp.io"
     assert labels[c.LABEL_MANAGED_BY] == c.MANAGER  # so the operator's reflector watches it
     assert labels[c.LABEL_INSTANCE] == "demo"  # so a change wakes its resource
     assert eps["metadata"]["ownerReferences"] == [OWNER]
@@ -47,6 +48,18 @@ def test_slice_belongs_to_the_service_by_label_port_name_and_owner() -> None:
     assert endpoint["targetRef"] == {"kind": "Pod", "namespace": "ns",
                                      "name": "demo-abcde-head-x", "uid": "uid-head"}
     assert endpoint["nodeName"] == "node-a"
+
+
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def test_every_label_value_is_one_the_api_server_accepts() -> None:
+    # A slash is no label value: the API server refused "vllmdp.io/operator" on the real bed.
+    model = validate("demo", spec())
+    for obj in (build_endpoint_slice("demo", "ns", model, _pod(), True, OWNER),
+                build_service("demo", "ns", model, OWNER)):  # fmt: skip
+        for key, value in obj["metadata"]["labels"].items():
+            assert LABEL_VALUE.match(value) and len(value) <= 63, (key, value)
 
 
 def test_unrouted_slice_keeps_the_endpoint_not_ready_and_no_address_means_none() -> None:
