@@ -88,7 +88,7 @@ class Bench:
         """The RayCluster and Service the operator would make, rendered by its renderers."""
         model = validate(name, SPEC)
         cluster = build_raycluster(name, ns, model, build_plan(model), RenderOptions(), None)
-        return cluster, build_service(name, ns, model, cluster["metadata"]["name"], None)
+        return cluster, build_service(name, ns, model, None)
 
     async def pair(self, ns: str, bodies: tuple[dict[str, Any], dict[str, Any]]) -> None:
         """The floor: the operator's two creates, issued directly (rendered beforehand)."""

@@ -16,6 +16,15 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw else default
 
 
+def _namespaces(value: str | None) -> tuple[str, ...]:
+    """A comma-separated list of namespaces, in order, without blanks or repeats."""
+    out: list[str] = []
+    for name in (value or "").split(","):
+        if name.strip() and name.strip() not in out:
+            out.append(name.strip())
+    return tuple(out)
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     return int(raw) if raw else default
@@ -150,9 +159,10 @@ class Config:
     unroute_after_seconds: float = 90.0
     #: VLLMDP_WORKERS: resources reconciled at once (each resource by one worker at a time).
     workers: int = 16
-    #: VLLMDP_WATCH_NAMESPACE: the one namespace whose children are watched; "" for all.
-    #: Must match kopf's --namespace (the chart sets both from watchNamespace).
-    watch_namespace: str = ""
+    #: VLLMDP_WATCH_NAMESPACES: the namespaces whose children are watched, comma-separated;
+    #: empty for all. Must match kopf's --namespace flags (the chart sets both from
+    #: watchNamespaces).
+    watch_namespaces: tuple[str, ...] = ()
     #: VLLMDP_BACKOFF_BASE_SECONDS: wait after the first head-job failure; doubles after each.
     backoff_base_seconds: float = 10.0
     #: VLLMDP_BACKOFF_CAP_SECONDS: longest wait between head-job relaunches.
@@ -206,7 +216,7 @@ class Config:
             unroute_after_failures=_env_int("VLLMDP_UNROUTE_AFTER_FAILURES", 3),
             unroute_after_seconds=_env_float("VLLMDP_UNROUTE_AFTER_SECONDS", 90.0),
             workers=_env_int("VLLMDP_WORKERS", 16),
-            watch_namespace=os.environ.get("VLLMDP_WATCH_NAMESPACE") or "",
+            watch_namespaces=_namespaces(os.environ.get("VLLMDP_WATCH_NAMESPACES")),
             backoff_base_seconds=_env_float("VLLMDP_BACKOFF_BASE_SECONDS", 10.0),
             backoff_cap_seconds=_env_float("VLLMDP_BACKOFF_CAP_SECONDS", 300.0),
             health_timeout_seconds=_env_float("VLLMDP_HEALTH_TIMEOUT_SECONDS", 2.0),

@@ -79,8 +79,15 @@ LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 LABEL_CLUSTER: Final = f"{GROUP}/cluster"
 LABEL_RAY_CLUSTER: Final = "ray.io/cluster"
 LABEL_RAY_NODE_TYPE: Final = "ray.io/node-type"
-# On the head pod while its vLLM answers /health; the API Service selects it.
-LABEL_SERVING: Final = f"{GROUP}/serving"
+# The head pod label that versions before the EndpointSlice routing set, and their Service selected.
+# The operator neither sets nor removes it now (it writes no pods); named for the docs' sake.
+LEGACY_LABEL_SERVING: Final = f"{GROUP}/serving"
+# EndpointSlice labels: the Service a slice belongs to, and who manages it. Ours is not the
+# EndpointSlice controller's value, so neither it nor the mirroring controller touches it.
+LABEL_SERVICE_NAME: Final = "kubernetes.io/service-name"
+LABEL_SLICE_MANAGED_BY: Final = "endpointslice.kubernetes.io/managed-by"
+# A label value (no slash), in the EndpointSlice controller's own form (`<controller>.<domain>`).
+SLICE_MANAGER: Final = f"vllm-dp-operator.{GROUP}"
 # Kueue: the LocalQueue and WorkloadPriorityClass of a job, and the uid of a Workload's job.
 LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
 LABEL_KUEUE_PRIORITY: Final = "kueue.x-k8s.io/priority-class"
@@ -100,6 +107,8 @@ COMPONENT_ENGINE: Final = "engine"
 COMPONENT_HEAD_JOB: Final = "head-job"
 COMPONENT_API: Final = "api"
 COMPONENT_RAY_AUTH: Final = "ray-auth"
+# The API Service's one port: its EndpointSlice's port must carry the same name.
+API_PORT_NAME: Final = "http"
 
 # Phases.
 PHASE_INVALID: Final = "Invalid"

@@ -102,7 +102,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         gate = elector
     api = GatedApi(kube, gate)
     controller = Controller(api, CONFIG, probe, GatedRayJobs(DashboardJobs(transport), gate),
-                            namespace=CONFIG.watch_namespace or None,
+                            namespaces=CONFIG.watch_namespaces,
                             leading=elector is None)  # fmt: skip
     memo.kube, memo.transport, memo.controller, memo.elector = kube, transport, controller, elector
     memo.legacy = LegacyFinalizer(api)

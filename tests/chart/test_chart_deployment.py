@@ -21,7 +21,7 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_UNROUTE_AFTER_FAILURES", "VLLMDP_UNROUTE_AFTER_SECONDS",
              "VLLMDP_CLUSTER_DOMAIN", "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS",
              "VLLMDP_WORKERS",
-             "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACE",
+             "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACES",
              "VLLMDP_METRICS_PORT", "VLLMDP_METRICS_HOST", "VLLMDP_METRICS_AUTH",
              "VLLMDP_ENGINE_METRICS_MAX_BYTES", "VLLMDP_LEADER_ELECTION",
              "VLLMDP_LEASE_NAME", "VLLMDP_LEASE_DURATION_SECONDS",
@@ -137,7 +137,7 @@ def test_hardened_security_context(helm_bin: str) -> None:
 
 
 def test_platform_may_choose_uid(helm_bin: str) -> None:
-    pod = _deployment((CI["single-namespace-cluster-role-values"],))["spec"]["template"]["spec"]
+    pod = _deployment((CI["single-namespace-values"],))["spec"]["template"]["spec"]
     assert "runAsUser" not in pod["securityContext"]
     assert pod["securityContext"]["runAsNonRoot"] is True
 
@@ -157,23 +157,27 @@ def test_cluster_wide_command_line_and_env(helm_bin: str) -> None:
     assert c["args"] == [*KOPF_ARGS, "--all-namespaces"]
     env = _env(dep)
     assert list(env) == ENV_NAMES
-    assert env["VLLMDP_WATCH_NAMESPACE"] == ""
+    assert env["VLLMDP_WATCH_NAMESPACES"] == ""
     assert env["VLLMDP_HEALTH_PROBE"] == "service-dns"
     assert c["image"] == "vllm-dp-operator:0.1.0"
 
 
 @pytest.mark.parametrize(
-    ("values", "namespace"),
-    [("namespace-scope-values", "llm-serving"),
-     ("namespace-scope-no-observation-values", chartlib.DEFAULT_NAMESPACE),
-     ("single-namespace-cluster-role-values", "llm-serving")],
+    ("values", "namespaces"),
+    [("namespace-scope-values", ["llm-serving", "llm-batch"]),
+     ("namespace-scope-no-observation-values", ["llm-serving"]),
+     ("single-namespace-values", ["llm-serving"])],
 )
-def test_single_namespace_command_line(helm_bin: str, values: str, namespace: str) -> None:
+def test_listed_namespaces_command_line(helm_bin: str, values: str,
+                                        namespaces: list[str]) -> None:
+    # kopf takes one --namespace per namespace; the controller's reflectors the same list.
     dep = _deployment((CI[values],))
     args = _container(dep)["args"]
     assert args[: len(KOPF_ARGS)] == KOPF_ARGS
-    assert f"--namespace={namespace}" in args and "--all-namespaces" not in args
-    assert _env(dep)["VLLMDP_WATCH_NAMESPACE"] == namespace
+    assert [a for a in args if a.startswith("--namespace=")] == [
+        f"--namespace={n}" for n in namespaces]
+    assert "--all-namespaces" not in args
+    assert _env(dep)["VLLMDP_WATCH_NAMESPACES"] == ",".join(namespaces)
 
 
 def test_values_reach_the_environment(helm_bin: str, tmp_path: Path) -> None:
@@ -290,7 +294,7 @@ def test_a_bad_cluster_domain_fails_the_install(helm_bin: str, bad: str) -> None
 
 
 def test_image_and_pull_settings(helm_bin: str) -> None:
-    dep = _deployment((CI["single-namespace-cluster-role-values"],))
+    dep = _deployment((CI["single-namespace-values"],))
     c = _container(dep)
     assert c["image"] == "registry.example.com/vllm-dp-operator:0.1.0-rc1"
     assert c["imagePullPolicy"] == "Always"

@@ -49,9 +49,11 @@ def test_chart_has_no_dependencies_to_fetch(helm_bin: str) -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        "rbac.scope=everything",
+        "rbac.scope=namespace",
         "healthProbe.mode=tcp",
-        "watchNamespace=Not_A_Namespace",
+        "watchNamespace=llm-serving",
+        "watchNamespaces={Not_A_Namespace}",
+        "watchNamespaces={a,a}",
         "resyncSeconds=0",
         "workers=0",
         "nosuchkey=1",

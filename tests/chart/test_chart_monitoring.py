@@ -112,9 +112,9 @@ def test_engine_pod_monitor_selects_head_pods_on_the_serving_port(helm_bin: str)
 
 
 def test_engine_pod_monitor_follows_the_watched_namespace(helm_bin: str) -> None:
-    objects = chartlib.render((MONITORING,), ("watchNamespace=team-a",))
+    objects = chartlib.render((MONITORING,), ("watchNamespaces={team-a,team-b}",))
     monitor = _one(objects, "PodMonitor")
-    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 
 def test_dashboard_config_map_carries_the_dashboard(helm_bin: str) -> None:

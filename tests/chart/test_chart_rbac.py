@@ -25,8 +25,13 @@ REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
         for v in ("get", "list", "watch", "create", "patch", "delete")
     ]
     + [("", "services", v) for v in ("get", "list", "watch", "create", "patch", "delete")]
-    # Read, and label the head pod while its vLLM answers (the API Service selects it).
-    + [("", "pods", v) for v in ("get", "list", "watch", "patch")]
+    # The Service's own EndpointSlice; delete also takes what an earlier version's selector
+    # left (the controllers' slices, and the stale Endpoints they would be mirrored from).
+    + [("discovery.k8s.io", "endpointslices", v)
+       for v in ("get", "list", "watch", "create", "patch", "delete")]
+    + [("", "endpoints", "delete")]
+    # Read only: the head pod's address and readiness, and why Ray pods are Pending.
+    + [("", "pods", v) for v in ("get", "list", "watch")]
     + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]
     # Each resource's Ray token Secret: created only; the token is derived, never read back.
     + [("", "secrets", "create")]
@@ -86,7 +91,8 @@ def test_no_wildcards_no_secrets_no_escalation(helm_bin: str, values: tuple[Path
         assert g.verb != "update" or (g.group, g.resource) in UPDATE_ALLOWED, g
         assert g.resource not in FORBIDDEN_RESOURCES, g
         assert g.resource != "secrets" or g.verb == "create", g  # never read one
-        assert (g.resource, g.verb) not in {("pods", "create"), ("pods", "delete")}, g
+        # No pod is written: routing is the operator's EndpointSlice, not a pod label.
+        assert g.resource != "pods" or g.verb in ("get", "list", "watch"), g
         assert g.group not in ("rbac.authorization.k8s.io", "apps", "batch"), g
 
 
@@ -134,38 +140,84 @@ def test_apiserver_proxy_adds_only_services_proxy_get_and_create(helm_bin: str) 
     assert base - proxy == set()
 
 
-def test_namespace_scope_is_role_in_watched_namespace(helm_bin: str) -> None:
+def test_listed_namespaces_get_a_role_and_binding_each(helm_bin: str) -> None:
     objects = chartlib.render((CI["namespace-scope-values"],))
     gs = chartlib.grants(objects)
     namespaced = {g for g in gs if g.kind == "Role" and g.resource != "leases"}
-    assert {g.namespace for g in namespaced} == {"llm-serving"}
-    assert _triples(namespaced) == REQUIRED
-    # What stays cluster-wide is kopf's read-only observation, nothing of the operator's own.
+    assert {g.namespace for g in namespaced} == {"llm-serving", "llm-batch"}
+    for ns in ("llm-serving", "llm-batch"):
+        assert _triples({g for g in namespaced if g.namespace == ns}) == REQUIRED
+    # What stays cluster-wide is kopf's read-only observation and the /metrics reviews,
+    # nothing of the operator's own.
     assert _triples({g for g in gs if g.kind == "ClusterRole"}) == (
         KOPF_CRDS | KOPF_NAMESPACES | METRICS_AUTH)
-    (binding,) = [b for b in chartlib.by_kind(objects, "RoleBinding")
-                  if not b["metadata"]["name"].endswith("-leader-election")]  # fmt: skip
-    assert binding["metadata"]["namespace"] == "llm-serving"
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "vdp-vllm-dp-operator",
-                                    "namespace": chartlib.DEFAULT_NAMESPACE}]
+    bindings = [b for b in chartlib.by_kind(objects, "RoleBinding")
+                if not b["metadata"]["name"].endswith("-leader-election")]  # fmt: skip
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["llm-batch", "llm-serving"]
+    for binding in bindings:
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "vdp-vllm-dp-operator",
+                                        "namespace": chartlib.DEFAULT_NAMESPACE}]
+    assert not [b for b in chartlib.by_kind(objects, "ClusterRoleBinding")
+                if b["roleRef"]["name"] == "vdp-vllm-dp-operator"]  # fmt: skip
 
 
-def test_namespace_scope_without_observation_has_no_cluster_rbac(helm_bin: str) -> None:
+def test_listed_namespaces_without_observation_have_no_cluster_rbac(helm_bin: str) -> None:
     objects = chartlib.render((CI["namespace-scope-no-observation-values"],))
-    kinds = {o["kind"] for o in chartlib.rbac_objects(objects)}
-    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
-    # Cluster-wide, only the token and access reviews of the secure /metrics (and the reader
-    # role it offers, bound by no one here).
+    # Cluster-wide, only the token and access reviews of the secure /metrics (and the roles
+    # the chart offers, bound by no one here).
     cluster = {g for g in chartlib.grants(objects) if g.kind == "ClusterRole"}
     assert _triples(cluster) == METRICS_AUTH
-    # An empty watchNamespace with namespace scope means the release namespace.
-    roles = chartlib.by_kind(objects, "Role")
-    assert roles[0]["metadata"]["namespace"] == chartlib.DEFAULT_NAMESPACE
+    roles = [r for r in chartlib.by_kind(objects, "Role")
+             if not r["metadata"]["name"].endswith("-leader-election")]  # fmt: skip
+    assert [r["metadata"]["namespace"] for r in roles] == ["llm-serving"]
 
 
-def test_single_namespace_cluster_role_observes_namespaces(helm_bin: str) -> None:
-    triples = _triples(_render((CI["single-namespace-cluster-role-values"],)))
+def test_single_namespace_observes_namespaces(helm_bin: str) -> None:
+    triples = _triples(_render((CI["single-namespace-values"],)))
     assert triples >= KOPF_NAMESPACES
+
+
+EDITOR_VERBS = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
+
+
+def _aggregated(objects: list[dict]) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {r["metadata"]["name"]: r for r in chartlib.by_kind(objects, "ClusterRole")
+            if any(k.startswith("rbac.authorization.k8s.io/aggregate-to-")
+                   for k in r["metadata"]["labels"])}  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [(), (CI["namespace-scope-values"],)], ids=["all", "listed"])
+def test_aggregated_roles_for_namespace_edit_and_view_users(
+    helm_bin: str, values: tuple[Path, ...]
+) -> None:
+    objects = chartlib.render(values)
+    roles = _aggregated(objects)
+    editor = roles.pop("vdp-vllm-dp-operator-vllmdataparallel-editor")
+    viewer = roles.pop("vdp-vllm-dp-operator-vllmdataparallel-viewer")
+    assert not roles
+    agg = "rbac.authorization.k8s.io/aggregate-to-"
+    assert {k: v for k, v in editor["metadata"]["labels"].items() if k.startswith(agg)} == {
+        f"{agg}edit": "true", f"{agg}admin": "true"}
+    assert {k: v for k, v in viewer["metadata"]["labels"].items() if k.startswith(agg)} == {
+        f"{agg}view": "true"}
+
+    def rules(role: dict) -> set[tuple[str, str, str]]:  # type: ignore[type-arg]
+        return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+                for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
+
+    assert rules(editor) == ({("vllmdp.io", "vllmdataparallels", v) for v in EDITOR_VERBS}
+                             | {("vllmdp.io", "vllmdataparallels/status", "get")})
+    assert rules(viewer) == {("vllmdp.io", r, v)
+                             for r in ("vllmdataparallels", "vllmdataparallels/status")
+                             for v in ("get", "list", "watch")}  # fmt: skip
+    # Offered to the built-in roles, bound by no one: the operator gets none of it.
+    bound = {b["roleRef"]["name"] for b in objects if b["kind"].endswith("Binding")}
+    assert not bound & {editor["metadata"]["name"], viewer["metadata"]["name"]}
+
+
+def test_aggregated_roles_can_be_left_out(helm_bin: str) -> None:
+    objects = chartlib.render(set_values=("rbac.aggregateToDefaultRoles=false",))
+    assert not _aggregated(objects)
 
 
 @pytest.mark.parametrize("values", CASES)

@@ -27,7 +27,14 @@ from typing import Any
 import pytest
 
 from .bed import RunningCluster
-from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
+from .vdp import (
+    API_PORT,
+    OPERATOR_SA_USER,
+    Vdp,
+    http,
+    import_engine,
+    own_namespace,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -82,6 +89,19 @@ def test_serving_across_two_nodes(vdp: Vdp) -> None:
 
 def test_service_answers_from_host_and_pod(vdp: Vdp) -> None:
     vdp.wait_phase("Serving", 120)
+    # kube-proxy routes by the operator's EndpointSlice: the Service has no selector, and the
+    # head pod carries no routing label (the operator writes no pod).
+    svc = vdp.cluster.kubectl_json("get", "service", f"{NAME}-api", "-n", vdp.ns)
+    assert "selector" not in svc["spec"], svc["spec"]
+    head = vdp.pods()["head"]
+    assert "vllmdp.io/serving" not in head["metadata"].get("labels", {})
+    eps = vdp.cluster.kubectl_json("get", "endpointslices", "-n", vdp.ns, "-l",
+                                   f"kubernetes.io/service-name={NAME}-api")["items"]  # fmt: skip
+    assert [e["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] for e in eps] == [
+        "vllm-dp-operator.vllmdp.io"]
+    [endpoint] = eps[0]["endpoints"]
+    assert endpoint["addresses"] == [head["status"]["podIP"]]
+    assert endpoint["conditions"]["ready"] is True
     ip = vdp.service_ip()
     assert http(f"http://{ip}:{API_PORT}/health") in ("", {})
     out = http(f"http://{ip}:{API_PORT}/v1/completions", {"model": "double", "prompt": "hi"})
@@ -107,6 +127,25 @@ def test_engine_only_change_relaunches_on_same_pods(vdp: Vdp) -> None:
     ip = vdp.service_ip()
     argv = http(f"http://{ip}:{API_PORT}/double/argv")
     assert "--max-num-seqs=6" in argv["argv"] and "--max-num-seqs=4" not in argv["argv"]
+
+
+def test_operator_service_account_cannot_write_pods(vdp: Vdp) -> None:
+    # The chart's RBAC as the API server applies it, asked as the operator's ServiceAccount.
+    sa = OPERATOR_SA_USER
+
+    def can_i(verb: str, resource: str, *where: str) -> str:
+        proc = vdp.cluster.kubectl("auth", "can-i", verb, resource, f"--as={sa}", *where,
+                                   check=False)  # fmt: skip
+        lines = proc.stdout.strip().splitlines()
+        return lines[-1] if lines else proc.stderr
+
+    for where in (("--all-namespaces",), ("-n", vdp.ns)):
+        for verb in ("patch", "update", "create", "delete"):
+            assert can_i(verb, "pods", *where) == "no", (verb, where)
+        assert can_i("patch", "pods", "--subresource=status", *where) == "no", where
+        for verb in ("get", "list", "watch", "create", "patch", "delete"):
+            assert can_i(verb, "endpointslices.discovery.k8s.io", *where) == "yes", (verb, where)
+        assert can_i("list", "pods", *where) == "yes", where
 
 
 def note(msg: str) -> None:

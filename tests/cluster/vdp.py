@@ -28,6 +28,8 @@ OPERATOR_NS = "vllm-dp-system"
 OPERATOR_LABEL = "app.kubernetes.io/name=vllm-dp-operator"
 #: The chart's Lease (release `vdp`): its holder names the operator pod that writes.
 OPERATOR_LEASE = "vdp-vllm-dp-operator"
+#: The chart's ServiceAccount (release `vdp`), as the API server names its user.
+OPERATOR_SA_USER = f"system:serviceaccount:{OPERATOR_NS}:vdp-vllm-dp-operator"
 API_PORT = 8000
 DASHBOARD_PORT = 8265
 
@@ -189,8 +191,8 @@ class Vdp:
 
     def children(self) -> list[str]:
         """Everything left in the namespace that the resource made (names by kind)."""
-        out = self.cluster.kubectl("get", "rayclusters,rayjobs,services,pods", "-n", self.ns,
-                                   "-o", "name").stdout  # fmt: skip
+        out = self.cluster.kubectl("get", "rayclusters,rayjobs,services,endpointslices,pods",
+                                   "-n", self.ns, "-o", "name").stdout  # fmt: skip
         return out.split()
 
     def from_pod(self, url: str, body: dict[str, Any] | None = None,

@@ -99,7 +99,7 @@ class OperatorProcess:
         self._log_from = self.log.stat().st_size if self.log.exists() else 0
         scope = [f"--namespace={self.namespace}"] if self.namespace else ["--all-namespaces"]
         # The children's watches follow the same scope (the chart sets both from one value).
-        self.env["VLLMDP_WATCH_NAMESPACE"] = self.namespace or ""
+        self.env["VLLMDP_WATCH_NAMESPACES"] = self.namespace or ""
         cmd = [
             sys.executable, "-m", "kopf", "run", "--standalone", *scope,
             f"--liveness=http://127.0.0.1:{self.port}/healthz",

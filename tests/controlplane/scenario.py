@@ -115,9 +115,12 @@ def head_pod(testbed: Any, ns: str, cluster: str) -> dict[str, Any]:
 
 
 def api_endpoints(testbed: Any, ns: str, name: str) -> list[str]:
-    """Addresses the API Service routes to (its EndpointSlices)."""
+    """Addresses the API Service routes to: its EndpointSlices' ready endpoints, as kube-proxy
+    reads them (an unset ready counts as ready, per the EndpointSlice API)."""
     slices = items(testbed, ns, "endpointslices", f"kubernetes.io/service-name={name}-api")
-    return sorted(a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"])
+    return sorted(a for s in slices for e in s.get("endpoints") or []
+                  if (e.get("conditions") or {}).get("ready") is not False
+                  for a in e["addresses"])  # fmt: skip
 
 
 def ray_api(pod_ip: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:

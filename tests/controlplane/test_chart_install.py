@@ -64,8 +64,8 @@ def _helm(testbed: RunningTestbed, *args: str, check: bool = True,
 
 def _watch_override(values: tuple[Path, ...], ns: str) -> tuple[str, ...]:
     # The ci files name an example namespace; point it at the test's own.
-    sets_watch = any("watchNamespace" in (yaml.safe_load(p.read_text()) or {}) for p in values)
-    return (f"watchNamespace={ns}",) if sets_watch else ()
+    sets_watch = any("watchNamespaces" in (yaml.safe_load(p.read_text()) or {}) for p in values)
+    return (f"watchNamespaces={{{ns}}}",) if sets_watch else ()
 
 
 @pytest.mark.parametrize("values", CASES)
@@ -151,8 +151,9 @@ def test_install_upgrade_uninstall(testbed: RunningTestbed, testbed_namespace: s
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["VLLMDP_HEALTH_PROBE"] == "apiserver-proxy"
 
-    # Switch to namespace scope: the ClusterRole goes, a Role appears in the namespace.
-    _helm(testbed, "upgrade", release, chart, f"--namespace={ns}", "--set=rbac.scope=namespace")
+    # Watch a listed namespace: the ClusterRole goes, a Role appears in the namespace.
+    _helm(testbed, "upgrade", release, chart, f"--namespace={ns}",
+          f"--set=watchNamespaces={{{ns}}}")
     assert _get(testbed, "role", full, "-n", ns) is not None
     assert _get(testbed, "clusterrole", full) is None
     assert _get(testbed, "clusterrole", f"{full}-observer") is not None

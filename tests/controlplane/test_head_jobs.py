@@ -132,9 +132,8 @@ def test_engine_change_stops_the_old_ray_job_and_confirms_before_the_next(
         # While Ray drains the job, nothing new runs and no request is routed to the head.
         assert [j["metadata"]["name"] for j in items(testbed, ns, "rayjobs")] == [job["metadata"]
                                                                                   ["name"]]
-        assert "vllmdp.io/serving" not in head_pod(testbed, ns, cluster)["metadata"]["labels"]
-        testbed.wait_until("the API Service to stop routing to the draining head",
-                           lambda: api_endpoints(testbed, ns, "drainer") == [], timeout=3)
+        # Unrouted before the stop was sent (the slice's endpoint turned unready first).
+        assert api_endpoints(testbed, ns, "drainer") == []
         assert [j["metadata"]["name"] for j in items(testbed, ns, "rayjobs")] == [job["metadata"]
                                                                                   ["name"]]
         wait_head_job(testbed, ns, "drainer", "drainer-j00002", timeout=30)

@@ -144,7 +144,7 @@ def _pod_monitor_job(ns: str, targets: Path) -> dict[str, Any]:
     """The chart's engine PodMonitor (monitoring on, watching this namespace) as a plain
     scrape job over every pod of the namespace, as kubernetes_sd would list them."""
     objects = chartlib.render((chartlib.CHART / "ci" / "monitoring-values.yaml",),
-                              (f"watchNamespace={ns}",))  # fmt: skip
+                              (f"watchNamespaces={{{ns}}}",))  # fmt: skip
     (monitor,) = chartlib.by_kind(objects, "PodMonitor")
     return scrape_config_from_pod_monitor(monitor, file_sd(targets))
 

@@ -69,8 +69,13 @@ def test_example_becomes_cluster_pods_head_job_and_service(
     assert items(testbed, ns, "rayjobs")[0]["status"]["jobDeploymentStatus"] != "ValidationFailed"
     assert items(testbed, ns, "jobs.batch") == []
     (svc,) = items(testbed, ns, "services", "app.kubernetes.io/component=api")
-    assert svc["spec"]["selector"] == {"ray.io/cluster": cluster, "ray.io/node-type": "head",
-                                       "vllmdp.io/serving": "true"}
+    # No selector: the operator's EndpointSlice is its only source of endpoints.
+    assert "selector" not in svc["spec"]
+    (eps,) = items(testbed, ns, "endpointslices", f"kubernetes.io/service-name={name}-api")
+    assert eps["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"] == \
+        "vllm-dp-operator.vllmdp.io"
+    assert eps["metadata"]["ownerReferences"][0]["kind"] == "VLLMDataParallel"
+    assert all(not e["conditions"]["ready"] for e in eps.get("endpoints") or [])  # Launching
     assert st["endpoint"] == f"http://{name}-api.{ns}.svc:8000/v1"
     conds = {c["type"]: c["status"] for c in st["conditions"]}
     assert conds["SpecValid"] == "True" and conds["ClusterReady"] == "True"

@@ -81,9 +81,9 @@ def test_operator_with_chart_rbac_runs_scenario_without_forbidden(
 ) -> None:
     install_crd(testbed)
     ns = testbed_namespace
-    sets = ["healthProbe.mode=apiserver-proxy", f"rbac.scope={scope}"]
+    sets = ["healthProbe.mode=apiserver-proxy"]
     if scope == "namespace":
-        sets.append(f"watchNamespace={ns}")
+        sets.append(f"watchNamespaces={{{ns}}}")
     identity = chartlib.apply_operator_identity(testbed.kubectl, f"vdp-{scope[:2]}", ns,
                                                 (PROXY_VALUES,), sets)  # fmt: skip
     kubeconfig = chartlib.operator_kubeconfig(

@@ -39,7 +39,10 @@ MUST_NAMESPACED = [
     *[(v, r, "") for r in ("rayclusters.ray.io", "rayjobs.ray.io")
       for v in ("get", "list", "watch", "create", "patch", "delete")],
     *[(v, "services", "") for v in ("get", "list", "watch", "create", "patch", "delete")],
-    *[(v, "pods", "") for v in ("get", "list", "watch", "patch")],
+    *[(v, "endpointslices.discovery.k8s.io", "")
+      for v in ("get", "list", "watch", "create", "patch", "delete")],
+    ("delete", "endpoints", ""),
+    *[(v, "pods", "") for v in ("get", "list", "watch")],
     *[(v, r, "") for r in ("events", "events.events.k8s.io") for v in ("create", "patch")],
     ("create", "secrets", ""),  # the Ray token Secret, never read back
 ]
@@ -48,7 +51,9 @@ MUST_NOT_NAMESPACED = [
     ("get", "secrets", ""), ("list", "secrets", ""), ("watch", "secrets", ""),
     ("patch", "secrets", ""), ("update", "secrets", ""), ("delete", "secrets", ""),
     ("get", "configmaps", ""),
-    ("delete", "pods", ""), ("create", "pods", ""), ("update", "pods", ""),
+    # No pod write at all: routing is the operator's EndpointSlice, not a pod label.
+    ("delete", "pods", ""), ("create", "pods", ""), ("update", "pods", ""), ("patch", "pods", ""),
+    ("patch", "pods", "status"), ("update", "endpointslices.discovery.k8s.io", ""),
     ("create", "pods", "exec"), ("get", "pods", "log"), ("create", "pods", "portforward"),
     ("create", "deployments.apps", ""), ("create", "jobs.batch", ""),
     ("update", "services", ""), ("deletecollection", "services", ""),
@@ -57,7 +62,7 @@ MUST_NOT_NAMESPACED = [
     ("create", "serviceaccounts", "token"), ("impersonate", "serviceaccounts", ""),
     ("create", "roles.rbac.authorization.k8s.io", ""),
     ("create", "rolebindings.rbac.authorization.k8s.io", ""),
-    ("delete", "events", ""), ("create", "endpoints", ""),
+    ("delete", "events", ""), ("create", "endpoints", ""), ("patch", "endpoints", ""),
 ]
 MUST_NOT_CLUSTER = [
     ("list", "secrets", ""), ("get", "nodes", ""), ("patch", "nodes", "status"),
@@ -178,7 +183,7 @@ def test_namespace_scope(testbed: RunningTestbed, testbed_namespace: str, other_
                          tmp_path: Path) -> None:
     values = (CI["namespace-scope-values"],)
     ns = testbed_namespace
-    with _as_operator(testbed, ns, tmp_path, values, (f"watchNamespace={ns}",)) as op:
+    with _as_operator(testbed, ns, tmp_path, values, (f"watchNamespaces={{{ns}}}",)) as op:
         _check(op, MUST_NAMESPACED, ns, expect=True)
         _check(op, MUST_NOT_NAMESPACED, ns, expect=False)
         _check(op, MUST_NAMESPACED, other_namespace, expect=False)
@@ -193,7 +198,7 @@ def test_namespace_scope_without_observation(testbed: RunningTestbed, testbed_na
                                              tmp_path: Path) -> None:
     values = (CI["namespace-scope-no-observation-values"],)
     ns = testbed_namespace
-    with _as_operator(testbed, ns, tmp_path, values) as op:
+    with _as_operator(testbed, ns, tmp_path, values, (f"watchNamespaces={{{ns}}}",)) as op:
         _check(op, MUST_NAMESPACED, ns, expect=True)
         _check(op, KOPF_CRDS + KOPF_NAMESPACES, None, expect=False)
 
@@ -223,3 +228,58 @@ def test_operator_identity_kubeconfig(testbed: RunningTestbed, testbed_namespace
         as_sa("delete", "service", "probe", "-n", ns)
         denied = op.kubectl("get", "secrets", "-n", ns, check=False)
         assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
+
+
+def _can(testbed: RunningTestbed, user: str, verb: str, resource: str, ns: str) -> bool:
+    proc = testbed.kubectl("auth", "can-i", verb, resource, f"--as={user}", f"--namespace={ns}",
+                           check=False)  # fmt: skip
+    answer = proc.stdout.strip().splitlines()[-1:] or [""]
+    if proc.returncode not in (0, 1) or answer[0] not in ("yes", "no"):
+        raise AssertionError(f"kubectl auth can-i failed: {proc.stdout}{proc.stderr}")
+    return answer[0] == "yes"
+
+
+def test_namespace_edit_users_create_and_view_users_read(
+    testbed: RunningTestbed, testbed_namespace: str, tmp_path: Path
+) -> None:
+    # The chart's aggregated roles reach the built-in edit/admin/view ClusterRoles through the
+    # clusterrole-aggregation controller (this bed's kube-controller-manager runs it), so a
+    # user bound to `edit` in a namespace manages VLLMDataParallels there, one bound to `view`
+    # only reads them, and neither can in another namespace.
+    from operator_proc import install_crd  # type: ignore[import-not-found, unused-ignore]
+
+    install_crd(testbed)
+    ns, suffix = testbed_namespace, os.urandom(3).hex()
+    editor, viewer = f"alice-{suffix}", f"bob-{suffix}"
+    for user, role in ((editor, "edit"), (viewer, "view")):
+        testbed.kubectl("-n", ns, "create", "rolebinding", f"{role}-{suffix}",
+                        f"--clusterrole={role}", f"--user={user}")  # fmt: skip
+    resource = "vllmdataparallels.vllmdp.io"
+    with _as_operator(testbed, ns, tmp_path) as op:
+        aggregated = testbed.kubectl_json("get", "clusterrole", "edit")
+        testbed.wait_until("the chart's editor role aggregated into edit", lambda: any(
+            "vllmdataparallels" in (r.get("resources") or [])
+            for r in testbed.kubectl_json("get", "clusterrole", "edit").get("rules") or []), 30)
+        testbed.wait_until("the view role aggregated", lambda: _can(testbed, viewer, "list",
+                                                                   resource, ns), 30)  # fmt: skip
+        assert aggregated["metadata"]["name"] == "edit"
+        for verb in ("create", "patch", "delete", "get", "list", "watch"):
+            assert _can(testbed, editor, verb, resource, ns), (editor, verb)
+        for verb in ("get", "list", "watch"):
+            assert _can(testbed, viewer, verb, resource, ns), (viewer, verb)
+        for verb in ("create", "patch", "delete"):
+            assert not _can(testbed, viewer, verb, resource, ns), (viewer, verb)
+        assert not _can(testbed, editor, "create", resource, "default")
+        # A real create as each user, not only the authorizer's answer.
+        doc = {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+               "metadata": {"name": f"rbac-{suffix}", "namespace": ns},
+               "spec": {"model": "m", "dataParallel": {"size": 2, "ranksPerNode": 1},
+                        "suspend": True}}  # fmt: skip
+        body = json.dumps(doc)
+        refused = testbed.kubectl("create", f"--as={viewer}", "-f", "-", input=body, check=False)
+        assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+        testbed.kubectl("create", f"--as={editor}", "-f", "-", input=body)
+        testbed.kubectl("get", f"--as={viewer}", "-n", ns, "vdp", f"rbac-{suffix}")
+        testbed.kubectl("delete", f"--as={editor}", "-n", ns, "vdp", f"rbac-{suffix}",
+                        "--wait=false")  # fmt: skip
+        assert op.identity.objects  # the chart's roles were applied for this test

@@ -35,6 +35,7 @@ COLLECTIONS = {
     "RayCluster": "/apis/ray.io/v1/namespaces/{ns}/rayclusters",
     "RayJob": "/apis/ray.io/v1/namespaces/{ns}/rayjobs",
     "Service": "/api/v1/namespaces/{ns}/services",
+    "EndpointSlice": "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
 }
 FIELD = re.compile(r"\b(spec|metadata)(\.[A-Za-z]|\[)")
 

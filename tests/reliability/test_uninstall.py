@@ -54,7 +54,7 @@ def test_uninstall_with_resources_keeps_them_and_they_still_delete(
     release = f"un-{ns[-6:]}"
     with own_nodes(testbed, ns, gpus=4):
         _helm(testbed, "install", release, str(chartlib.CHART), f"--namespace={ns}",
-              f"--set=watchNamespace={ns}", "--set=rbac.scope=namespace")
+              f"--set=watchNamespaces={{{ns}}}")
         testbed.apply([small(ns, "u0"), small(ns, "u1")])
         try:
             testbed.wait_until("two resources to converge", lambda: converged(testbed, ns, 2),

@@ -93,14 +93,16 @@ def test_render_every_example(example: Path, capsys: pytest.CaptureFixture[str])
     code, out, err = run(capsys, "render", "-f", str(example))
     assert (code, err) == (0, "")
     docs = list(yaml.safe_load_all(out))
-    assert [d["kind"] for d in docs] == ["RayCluster", "Service", "RayJob"]
+    assert [d["kind"] for d in docs] == ["RayCluster", "Service", "EndpointSlice", "RayJob"]
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     for doc in docs:
         assert doc["metadata"]["namespace"] == "default"
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == name
         assert "ownerReferences" not in doc["metadata"]  # no uid without a cluster
-    cluster, service, job = docs
-    assert service["spec"]["selector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    cluster, service, eps, job = docs
+    assert "selector" not in service["spec"]
+    assert eps["metadata"]["labels"]["kubernetes.io/service-name"] == service["metadata"]["name"]
+    assert eps["endpoints"] == []  # the head pod's address is known only once it runs
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
     assert job["metadata"]["name"] == f"{name}-j00001"
     # HTTPMode: the dashboard API takes the job; no submitter pod follows its logs.
@@ -126,8 +128,8 @@ def test_render_engine_image_and_namespace(
     stdin(monkeypatch, yaml.safe_dump(doc))
     code, out, _ = run(capsys, "render", "-f", "-", "--engine-image", "reg/engine:7")
     assert code == 0
-    cluster, service, job = yaml.safe_load_all(out)
-    assert {d["metadata"]["namespace"] for d in (cluster, service, job)} == {"serving"}
+    cluster, service, eps, job = yaml.safe_load_all(out)
+    assert {d["metadata"]["namespace"] for d in (cluster, service, eps, job)} == {"serving"}
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert head["image"] == "reg/engine:7"
 
@@ -152,9 +154,11 @@ def test_stdin_with_several_documents_and_other_kinds(
     assert kinds == [
         ("RayCluster", "one"),
         ("Service", "one"),
+        ("EndpointSlice", "one"),
         ("RayJob", "one"),
         ("RayCluster", "two"),
         ("Service", "two"),
+        ("EndpointSlice", "two"),
     ]
     assert "skipped Secret default/hf" in err
 

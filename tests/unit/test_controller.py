@@ -19,7 +19,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.events import EVENT, EventPoster
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, Kind
+from vllm_dp_operator.controller.kube import (
+    ENDPOINTSLICE,
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    VDP,
+    Kind,
+)
 from vllm_dp_operator.controller.manager import Controller, next_wake
 from vllm_dp_operator.engines.probe import EngineReading, ProbeResult
 from vllm_dp_operator.reconcile.outcome import Event, Outcome
@@ -84,7 +92,8 @@ class Bed:
         labels = {c.LABEL_RAY_CLUSTER: name, c.LABEL_RAY_NODE_TYPE: "head",
                   c.LABEL_INSTANCE: "demo", c.LABEL_MANAGED_BY: c.MANAGER}  # fmt: skip
         self.api.put(POD, {"metadata": {"name": f"{name}-head", "labels": labels},
-                           "status": {"phase": "Running"}})  # fmt: skip
+                           "status": {"phase": "Running", "podIP": "10.0.0.9", "conditions": [
+                               {"type": "Ready", "status": "True"}]}})  # fmt: skip
         workers = cluster["spec"]["workerGroupSpecs"][0]["replicas"]
         self.api.set_status(RAYCLUSTER, "default", name, {
             "state": "ready", "readyWorkerReplicas": workers,
@@ -229,25 +238,51 @@ async def test_api_calls_per_reconcile_are_pinned_and_never_list() -> None:
             await bed.ctl.status.idle()  # status changes are written in the background
             return {k: v for k, v in (Counter(bed.api.calls) - before).items() if v}
 
-        # Service, the Ray token Secret (created, never read), RayCluster, status.
-        assert await one() == {"create": 3, "patch_status": 1}
+        # Service, the Ray token Secret (created, never read), RayCluster, its EndpointSlice
+        # (no endpoint yet), status.
+        assert await one() == {"create": 4, "patch_status": 1}
         assert await one() == {"patch_status": 1}  # the RayCluster is seen: a new message
         assert await one() == {}
         bed.cluster_ready()
         # The head job; before it, one GET: is the owner still there (kopf reports no
         # deletion it missed in a 410, and children for a dead owner would be orphans)?
-        assert await one() == {"create": 1, "get": 1, "patch_status": 1}
+        # The slice gets the head pod's address, not ready yet (the patch).
+        assert await one() == {"create": 1, "get": 1, "patch": 1, "patch_status": 1}
         bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "RUNNING"})
         bed.probe.ok = True
-        assert await one() == {"patch": 1, "patch_status": 1}  # the head pod's label; Serving
+        # The slice's endpoint turns ready (no pod is written); Serving.
+        assert await one() == {"patch": 1, "patch_status": 1}
         probes = bed.probe.calls
         for _ in range(5):
             assert await one() == {}, "steady state: no API call at all"
         assert bed.probe.calls == probes + 5
         assert bed.ctl.kube.api_reads == 0
         assert bed.api.calls["list"] == 0 and bed.api.calls["get"] == 1
+        assert ("patch", "endpointslices", "demo-api") in bed.api.writes
+        assert [w for w in bed.api.writes if w[1] == "pods"] == []  # no pod PATCH, ever
     finally:
         await bed.ctl.stop()
+
+
+def _ready(bed: Bed) -> list[bool]:
+    eps = bed.api.objects.get((ENDPOINTSLICE, "default", "demo-api"))
+    return [e["conditions"]["ready"] for e in (eps or {}).get("endpoints") or []]
+
+
+async def test_a_deleted_or_edited_slice_is_put_back_through_its_watch(bed: Bed) -> None:
+    await bed.owner_with_cluster()
+    bed.cluster_ready()
+    await bed.until("the head job", lambda: bed.names(RAYJOB) == ["demo-j00001"])
+    bed.probe.ok = True
+    bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "RUNNING"})
+    await bed.until("routed", lambda: _ready(bed) == [True])
+    await bed.settle()
+    await bed.api.delete(ENDPOINTSLICE, "default", "demo-api")  # someone deletes it
+    await bed.until("the slice back, routed", lambda: _ready(bed) == [True])
+    await bed.settle()
+    await bed.api.patch(ENDPOINTSLICE, "default", "demo-api", {"endpoints": []})  # or edits it
+    await bed.until("the slice repaired", lambda: _ready(bed) == [True])
+    assert [w for w in bed.api.writes if w[1] == "pods"] == []  # never a pod write
 
 
 async def test_a_burst_of_child_events_is_coalesced(bed: Bed) -> None:

@@ -78,7 +78,7 @@ async def test_any_ended_serving_job_is_a_failure_with_the_reason(
     assert w.status["consecutiveFailures"] == 1
     assert fragment in w.status["lastFailureReason"]
     assert fragment in w.status["message"]
-    assert w.serving_label() is None
+    assert not w.routed()
     assert any(e[1] == c.REASON_JOB_FAILED and fragment in e[2] for e in w.events)
 
 
@@ -99,7 +99,7 @@ async def test_engine_change_stops_the_old_ray_job_and_confirms_before_the_next(
     w.update(spec(engineArgs=["--max-model-len", "8192"], launch={"drainSeconds": 30}))
     await w.step()
     # Drain first: the Service stops routing to the head, then Ray is asked to stop the job.
-    assert w.serving_label() is None
+    assert not w.routed()
     assert w.ray.stops == ["demo-j00001"]
     assert w.job_names() == ["demo-j00001"]  # no new job while the old one may still run
     old = w.jobs()[0]["metadata"]["annotations"]

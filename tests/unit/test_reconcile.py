@@ -41,12 +41,12 @@ async def test_head_job_created_once_cluster_ready_then_serving_on_health() -> N
     w.run("demo-j00001")
     await w.step()
     assert w.status["phase"] == c.PHASE_LAUNCHING  # running, /health not yet 200
-    assert w.serving_label() is None  # the Service routes nowhere yet
+    assert not w.routed()  # the Service routes nowhere yet
     w.probe.ok = True
     await w.step()
     assert w.status["phase"] == c.PHASE_SERVING
     assert w.status["servedJob"] == "demo-j00001"
-    assert w.serving_label() == "true"  # now the Service selects the head
+    assert w.routed()  # now the slice routes to the head
     # /health is asked of the head pod through KubeRay's head Service, not the API Service.
     assert w.probe.calls[-1] == f"{w.status['rayCluster']}-head-svc:8000"
     ready = next(x for x in w.status["conditions"] if x["type"] == c.COND_READY)
@@ -61,7 +61,7 @@ async def test_one_failed_probe_keeps_the_route_and_the_phase() -> None:
     w = await serving()
     w.probe.ok = False
     await w.step()
-    assert w.serving_label() == "true"
+    assert w.routed()
     assert w.status["phase"] == c.PHASE_SERVING and "still routed" in w.status["message"]
     ready = next(x for x in w.status["conditions"] if x["type"] == c.COND_READY)
     assert ready["status"] == "True" and ready["reason"] == c.REASON_PROBE_FAILING
@@ -73,16 +73,16 @@ async def test_routing_stops_only_after_failures_in_a_row_over_the_minimum_time(
     w.probe.ok = False
     for advance in (0, 30, 30):  # three failures, but over 60 s only
         await w.step(advance=advance)
-        assert w.serving_label() == "true"
+        assert w.routed()
     for _ in range(5):  # many more reconciles at once (child events) do not shorten it
         await w.step()
-    assert w.serving_label() == "true"
+    assert w.routed()
     await w.step(advance=30)
-    assert w.serving_label() is None
+    assert not w.routed()
     assert w.status["phase"] == c.PHASE_LAUNCHING and "not routed" in w.status["message"]
     w.probe.ok = True
     await w.step()
-    assert w.serving_label() == "true" and w.status["phase"] == c.PHASE_SERVING
+    assert w.routed() and w.status["phase"] == c.PHASE_SERVING
     assert "probeFailures" not in w.status and "probeFailingSince" not in w.status
 
 
@@ -96,7 +96,7 @@ async def test_an_answer_between_failures_starts_the_count_again() -> None:
     w.probe.ok = False
     await w.step(advance=30)
     await w.step(advance=30)
-    assert w.serving_label() == "true"  # 100 s of failures in all, but not in a row
+    assert w.routed()  # 100 s of failures in all, but not in a row
 
 
 async def test_shape_change_replaces_cluster_and_drops_the_old_job_with_its_pods() -> None:
@@ -108,8 +108,7 @@ async def test_shape_change_replaces_cluster_and_drops_the_old_job_with_its_pods
     assert old not in names and names == [w.status["rayCluster"]]
     assert w.jobs() == [] and w.ray.stops == []  # its Ray job goes with the old pods
     assert w.status["phase"] == c.PHASE_PROVISIONING and w.status["layout"]["gpuPods"] == 3
-    svc = w.kube.named(SERVICE)[0]
-    assert svc["spec"]["selector"][c.LABEL_RAY_CLUSTER] == w.status["rayCluster"]
+    assert not w.routed()  # the old head goes with its cluster: unrouted at once
     w.cluster_ready()
     await w.step()
     assert w.job_names() == ["demo-j00002"]
@@ -143,8 +142,9 @@ async def test_api_calls_per_reconcile_are_bounded_and_steady() -> None:
         await w.step(advance=5)
         counts.append(dict(w.kube.calls))
     assert all(x == counts[0] for x in counts)
-    # Steady state: reads only (clusters, head jobs, the head pod; the Service), no writes.
-    assert counts[0] == {"list": 3, "get": 1}
+    # Steady state: reads only (clusters, head jobs, the head pod, other managers' slices;
+    # the Service, its EndpointSlice), all from the cache in the controller, and no writes.
+    assert counts[0] == {"list": 4, "get": 2}
 
 
 async def test_suspend_stops_pods_and_head_job_then_resumes() -> None:

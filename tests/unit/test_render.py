@@ -246,19 +246,16 @@ def test_raycluster_templates_share_no_objects() -> None:
 
 def service_of(raw: dict[str, Any], name: str = "demo", owner: Any = OWNER) -> dict[str, Any]:
     spec = validate(name, raw)
-    return build_service(name, "ns", spec, "demo-abcde", owner)
+    return build_service(name, "ns", spec, owner)
 
 
-def test_service_selects_only_the_head_of_that_cluster() -> None:
+def test_service_has_no_selector_its_endpoints_are_the_operators_slice() -> None:
     service = service_of(
         with_(service={"port": 9000, "type": "NodePort", "annotations": {"a": "b"}})
     )
-    # Only a head whose vLLM answers /health carries the serving label (set by the operator).
-    assert service["spec"]["selector"] == {
-        "ray.io/cluster": "demo-abcde",
-        "ray.io/node-type": "head",
-        "vllmdp.io/serving": "true",
-    }
+    # No selector: the EndpointSlice controller leaves it alone, and no pod label is needed
+    # (the operator writes no pods); test_routing.py covers the slice.
+    assert "selector" not in service["spec"]
     assert service["spec"]["type"] == "NodePort"
     assert service["spec"]["ports"] == [
         {"name": "http", "protocol": "TCP", "port": 9000, "targetPort": 9000}

@@ -14,7 +14,7 @@ from typing import Any
 from fake_kube import FakeKube
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB
+from vllm_dp_operator.controller.kube import ENDPOINTSLICE, POD, RAYCLUSTER, RAYJOB
 from vllm_dp_operator.engines.engine_metrics import parse_engine_loads
 from vllm_dp_operator.engines.probe import EngineReading, ProbeResult
 from vllm_dp_operator.engines.ray_dashboard import NOT_FOUND, UNKNOWN, RayJobLookup, StopResult
@@ -161,7 +161,9 @@ class World:
         self.kube.objects[(POD, "default", f"{cluster}-head-{index}")] = {
             "metadata": {"name": f"{cluster}-head-{index}", "uid": f"uid-head-{cluster}-{index}",
                          "labels": {c.LABEL_RAY_CLUSTER: cluster, c.LABEL_RAY_NODE_TYPE: "head"}},
-            "status": {"phase": "Running"},
+            "spec": {"nodeName": "node-a"},
+            "status": {"phase": "Running", "podIP": f"10.0.0.{10 + index}",
+                       "conditions": [{"type": "Ready", "status": "True"}]},
         }  # fmt: skip
 
     def head_pod(self, cluster: str | None = None) -> dict[str, Any] | None:
@@ -170,11 +172,21 @@ class World:
                 if p["metadata"]["labels"].get(c.LABEL_RAY_CLUSTER) == cluster]  # fmt: skip
         return pods[0] if pods else None
 
-    def serving_label(self) -> str | None:
+    def endpoint_slice(self) -> dict[str, Any] | None:
+        return self.kube.objects.get((ENDPOINTSLICE, "default", "demo-api"))
+
+    def routed(self) -> bool:
+        """Whether the API Service's EndpointSlice routes to the current head pod."""
+        eps = self.endpoint_slice()
         pod = self.head_pod()
-        assert pod is not None
-        labels: dict[str, str] = pod["metadata"]["labels"]
-        return labels.get(c.LABEL_SERVING)
+        if eps is None or pod is None:
+            return False
+        return any(e["conditions"]["ready"] and e["targetRef"]["uid"] == pod["metadata"]["uid"]
+                   and e["addresses"] == [pod["status"]["podIP"]]
+                   for e in eps["endpoints"])  # fmt: skip
+
+    def pod_writes(self) -> list[tuple[str, str, str]]:
+        return [w for w in self.kube.writes if w[1] == "pods"]
 
     def job_status(self, name: str, **status: str) -> None:
         self.kube.set_status(RAYJOB, "default", name, status)

@@ -42,15 +42,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
-Namespace the operator watches, or "" for all namespaces. rbac.scope=namespace cannot work
-cluster-wide, so there an empty watchNamespace means the release namespace.
+Namespaces the operator watches, comma-separated, or "" for all namespaces (VLLMDP_WATCH_NAMESPACES).
 */}}
-{{- define "vllm-dp-operator.watchNamespace" -}}
-{{- if .Values.watchNamespace }}
-{{- .Values.watchNamespace }}
-{{- else if eq .Values.rbac.scope "namespace" }}
-{{- .Release.Namespace }}
-{{- end }}
+{{- define "vllm-dp-operator.watchNamespaces" -}}
+{{- join "," (.Values.watchNamespaces | default list) }}
 {{- end }}
 
 {{/*
@@ -83,16 +78,26 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
   verbs: ["get", "list", "watch"]
-# The child Service that fronts the OpenAI API.
+# The child Service that fronts the OpenAI API (selector-less).
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Cached through a watch: explain Pending Ray pods in the status; label the Ray head pod
-# while its vLLM answers /health (the API Service selects that label). Never create or
-# delete pods.
+# The Service's one EndpointSlice, the operator's: the head pod's address, ready while routed.
+# delete: the slices the EndpointSlice and mirroring controllers left for a Service that an
+# earlier version gave a selector (neither removes them when the selector goes).
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Only delete, and only the endpoints controller's last Endpoints of such a Service, which the
+# mirroring controller would otherwise copy into a slice again.
+- apiGroups: [""]
+  resources: ["endpoints"]
+  verbs: ["delete"]
+# Read only, through a watch: the head pod's address and readiness for the EndpointSlice,
+# and why Ray pods are Pending. No pod is ever written.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch"]
 # Each resource's Ray token Secret (spec.ray.auth: token): created, never read, listed,
 # watched or changed; the operator derives the token from its own key instead.
 - apiGroups: [""]
@@ -124,7 +129,7 @@ runs with --namespace (to resolve namespace patterns), never with --all-namespac
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
-{{- if include "vllm-dp-operator.watchNamespace" . }}
+{{- if .Values.watchNamespaces }}
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]

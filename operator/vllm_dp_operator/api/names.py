@@ -61,6 +61,14 @@ def service(instance: str) -> str:
     return f"{instance}{constants.API_SERVICE_SUFFIX}"
 
 
+def endpoint_slice(instance: str) -> str:
+    """The API Service's one EndpointSlice, the operator's: named as the Service it serves.
+
+    The EndpointSlice controller names its slices `<service>-<random>`, so this never clashes.
+    """
+    return service(instance)
+
+
 def endpoint(instance: str, namespace: str, port: int) -> str:
     """In-cluster base URL of the OpenAI-compatible API, as a user types it.
 

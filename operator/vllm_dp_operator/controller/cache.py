@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.controller.kube import (
+    ENDPOINTSLICE,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -79,6 +80,11 @@ def _slim_workload(obj: Obj) -> Obj:
     return {"spec": {}, "status": {"conditions": status.get("conditions") or []}}
 
 
+def _slim_slice(obj: Obj) -> Obj:
+    # An EndpointSlice has no spec or status: its body is these top-level fields.
+    return {k: obj[k] for k in ("addressType", "endpoints", "ports") if k in obj}
+
+
 def _slim_whole(obj: Obj) -> Obj:
     return {"spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
 
@@ -86,6 +92,7 @@ def _slim_whole(obj: Obj) -> Obj:
 _SLIM: dict[Kind, Callable[[Obj], Obj]] = {
     RAYCLUSTER: _slim_cluster, RAYJOB: _slim_job, POD: _slim_pod,
     SERVICE: _slim_whole, VDP: _slim_whole, WORKLOAD: _slim_workload,
+    ENDPOINTSLICE: _slim_slice,
 }  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Reflectors: LIST then WATCH one kind into the cache, and report what changed.
 
-One reflector per child kind (RayCluster, RayJob, Service, Pod), each selecting the
-operator's label server-side, in the watched namespace or cluster-wide. Like client-go's:
+One reflector per child kind (RayCluster, RayJob, Service, EndpointSlice, Pod), each
+selecting the operator's label server-side, in the watched namespace or cluster-wide. Like
+client-go's:
 - the first LIST is paginated; `synced` is set once it is in the cache, and workers wait for
   every reflector's `synced` before the first reconcile (so a restart starts from a full cache);
 - the WATCH resumes from the last resourceVersion, saved at every event and bookmark (so a

@@ -48,6 +48,10 @@ POD = Kind("", "v1", "pods")
 SECRET = Kind("", "v1", "secrets")
 #: Kueue's Workloads (one per RayCluster in a LocalQueue); watched only where Kueue is installed.
 WORKLOAD = Kind(constants.KUEUE_GROUP, constants.KUEUE_VERSION, "workloads")
+ENDPOINTSLICE = Kind("discovery.k8s.io", "v1", "endpointslices")
+#: Only deleted, once, when a Service of an earlier version loses its selector: the endpoints
+#: controller leaves its last Endpoints behind, which the mirroring controller would copy.
+ENDPOINTS = Kind("", "v1", "endpoints")
 
 
 class AlreadyExists(Exception):

@@ -2,7 +2,7 @@
 
     kopf on.event (VLLMDataParallel) ──▶ owner cache ──┐ new object, new generation
     reflectors (RayCluster, RayJob,  ──▶ child cache ──┤ any change of a child, by its
-                Service, Pod)                          │ app.kubernetes.io/instance label
+                Service, EndpointSlice, Pod)           │ app.kubernetes.io/instance label
                                                        ▼
     timers (probe cadence, backoff end, resync) ──▶ WorkQueue ──▶ K workers ──▶ reconcile()
                                                                    (reads the cache; writes
@@ -34,7 +34,7 @@ import contextlib
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -53,6 +53,7 @@ from vllm_dp_operator.controller.cache import (
 from vllm_dp_operator.controller.events import EventPoster
 from vllm_dp_operator.controller.informer import Reflector, WatchApi
 from vllm_dp_operator.controller.kube import (
+    ENDPOINTSLICE,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -86,7 +87,7 @@ from vllm_dp_operator.reconcile.outcome import Event, Outcome, Resource
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
-CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, POD)
+CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, ENDPOINTSLICE, POD)
 #: Longest a status patch or an Event waits for the reconciles to drain.
 QUIET_WAIT = 2.0
 
@@ -142,7 +143,7 @@ class Controller:
 
     def __init__(
         self, api: ControllerApi, cfg: Config, probe: HealthProbe, ray_jobs: RayJobs,
-        namespace: str | None = None, post_event: Callable[[Obj, Event], None] | None = None,
+        namespaces: Sequence[str] = (), post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         metrics: OperatorMetrics | None = None, leading: bool = True,
     ) -> None:  # fmt: skip
@@ -153,17 +154,21 @@ class Controller:
         self.cache = ObjectCache((*CHILD_KINDS, WORKLOAD, VDP))
         self.kube = CachedKube(api, self.cache)
         self.queue: WorkQueue[Key] = WorkQueue()
+        # One reflector per kind and watched namespace (a Role grants list/watch in its own
+        # namespace only), or per kind across all namespaces when none is listed.
         self.reflectors = [
             Reflector(api, self.cache, kind, namespace, MANAGED_SELECTOR,
                       lambda obj, kind=kind: self._child_changed(kind, obj),  # type: ignore[misc]
                       on_health=self._watch_health_changed)
-            for kind in CHILD_KINDS
+            for kind in CHILD_KINDS for namespace in (tuple(namespaces) or (None,))
         ]  # fmt: skip
         # Kueue's Workloads carry no label of ours (Kueue makes them): all of them are watched,
         # slimmed to their conditions, where Kueue is installed, and none where it is not.
-        self.reflectors.append(
+        self.reflectors += [
             Reflector(api, self.cache, WORKLOAD, namespace, "", self._workload_changed,
-                      on_health=self._watch_health_changed, optional=True))  # fmt: skip
+                      on_health=self._watch_health_changed, optional=True)
+            for namespace in (tuple(namespaces) or (None,))
+        ]  # fmt: skip
         #: What the resources were last woken for: (synced, the blocking causes).
         self._watch_state: tuple[bool, tuple[str, ...]] = (False, ())
         #: What woke resources, by source: the owner, a child kind, a follow-up, a retry.
@@ -278,9 +283,13 @@ class Controller:
         """Per child kind: listed and served now, and failed attempts by reason (metrics)."""
         # An optional kind (Kueue's) absent or unreadable is ready: nothing waits on it. Its
         # failed attempts still count by reason.
-        return [WatchState(kind_name(r.kind),
-                           r.synced.is_set() and r.refused is None,
-                           dict(r.failures)) for r in self.reflectors]  # fmt: skip
+        states: dict[Kind, WatchState] = {}
+        for r in self.reflectors:  # several namespaces of one kind make one state
+            prior = states.get(r.kind, WatchState(kind_name(r.kind), True, {}))
+            states[r.kind] = WatchState(prior.kind,
+                                        prior.ready and r.synced.is_set() and r.refused is None,
+                                        dict(Counter(prior.failures) + Counter(r.failures)))
+        return list(states.values())
 
     def _watch_health_changed(self) -> None:
         # A cache was filled, or a kind became unserved or served again: look at every

@@ -9,7 +9,7 @@ deadline counts as a failure and is relaunched after a backoff.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +17,7 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller.kube import POD, RAYJOB, AlreadyExists, Kube
+from vllm_dp_operator.controller.kube import RAYJOB, AlreadyExists, Kube
 from vllm_dp_operator.engines.engine_metrics import missing_ranks, ranks_text
 from vllm_dp_operator.engines.jobstate import (
     JobState,
@@ -65,11 +65,13 @@ class HeadJobs:
     def __init__(
         self, kube: Kube, probe: HealthProbe, ray_jobs: RayJobs, cfg: Config, res: Resource,
         spec: VLLMDataParallelSpec, plan: Plan, cluster: str, head_pod: dict[str, Any] | None,
-        st: StatusDoc,
+        st: StatusDoc, route: Callable[[bool], Awaitable[bool]],
     ) -> None:  # fmt: skip
         self.kube, self.probe, self.ray_jobs, self.cfg = kube, probe, ray_jobs, cfg
         self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
         self.head_pod, self.st, self.ns = head_pod, st, res.namespace
+        #: Writes the routing decision to the API Service's EndpointSlice (reconcile/routing.py).
+        self.route = route
         self.health = ProbeResult(False, "not probed")
         # The cluster's Ray token, derived again rather than read from its Secret.
         self.token = (cfg.ray_tokens.token(res.namespace, res.name)
@@ -86,9 +88,10 @@ class HeadJobs:
             retire.append((latest, why))
             latest = None
         # The API Service routes to the head once its vLLM has answered, and never while an
-        # old head job drains: then no new request reaches engines about to stop.
+        # old head job drains: the slice's endpoint turns unready before any stop is sent, so
+        # no new request reaches engines about to stop.
         routed = latest is not None and not retire and self._routable(latest)
-        await self._label_head(routed)
+        routed = await self.route(routed)
         waiting = [m for job, why in retire if (m := await self._retire(job, why))]
         if latest is None:
             await self._launch_or_wait(waiting)
@@ -141,14 +144,6 @@ class HeadJobs:
         self.st.event(c.EVENT_WARNING, reason, f"Head job {name} failed: {why} (failure "
                       f"{doc['consecutiveFailures']} in a row)")  # fmt: skip
         return why
-
-    async def _label_head(self, serving: bool) -> None:
-        pod = self.head_pod
-        if pod is None or (_labels(pod).get(c.LABEL_SERVING) == "true") == serving:
-            return
-        value = "true" if serving else None  # None removes the label (merge patch)
-        await self.kube.patch(POD, self.ns, pod["metadata"]["name"],
-                              {"metadata": {"labels": {c.LABEL_SERVING: value}}})  # fmt: skip
 
     async def _retire(self, job: dict[str, Any], why: str) -> str | None:
         """Take one step towards a stopped head job; None once it is gone, else where it is."""

@@ -33,6 +33,7 @@ from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
 from vllm_dp_operator.reconcile.queueing import QueueState, queue_state
+from vllm_dp_operator.reconcile.routing import Router, while_not_ready
 from vllm_dp_operator.reconcile.status import (
     PodAsks,
     cluster_readiness,
@@ -94,7 +95,9 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
     want = desired["spec"]
     want_ports = [(p["port"], p["targetPort"]) for p in want["ports"]]
     drift = (
-        spec.get("selector") != want["selector"]
+        # Versions before the EndpointSlice routing selected the head pod by a label; the
+        # selector goes (merge patch: null removes it), and routing's slice takes over.
+        spec.get("selector") is not None
         or ports != want_ports
         or spec.get("type") != want["type"]
         or any(
@@ -103,7 +106,8 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
         )
     )
     if drift:
-        patch = {"metadata": {"annotations": meta.get("annotations") or {}}, "spec": want}
+        patch = {"metadata": {"annotations": meta.get("annotations") or {}},
+                 "spec": {**want, "selector": None}}  # fmt: skip
         await kube.patch(SERVICE, meta["namespace"], meta["name"], patch)
 
 
@@ -241,7 +245,7 @@ async def reconcile(
                      res.uid)  # fmt: skip
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
-    await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner), res.uid)
+    await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
     token_secret = None
     if spec.ray.auth == RayAuth.TOKEN:
         token = cfg.ray_tokens.token(ns, res.name)
@@ -253,6 +257,16 @@ async def reconcile(
     cluster = await _ensure_cluster(kube, desired, clusters, st, queue is not None, spec.suspend)
     # Kueue holds the cluster suspended until it admits it, and again when it evicts it.
     held = queue is not None and cluster is not None and bool(cluster["spec"].get("suspend"))
+    cluster_uid = cluster["metadata"].get("uid") if cluster is not None else None
+    head_pod = None
+    if cluster is not None:
+        head_pod = head_pod_of(_ours(await kube.list(POD, ns,
+                                                     names.head_pod_selector(cluster_name)),
+                                     cluster_uid))  # fmt: skip
+    router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner)
+    if spec.suspend or cluster is None or held:
+        # Unrouted before their head jobs are deleted: no new request meets a stopping engine.
+        await router.route(False)
 
     # Attempts count every head job seen, pruned or terminating ones too: names never repeat.
     st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
@@ -278,16 +292,17 @@ async def reconcile(
     if cluster is None:
         return await _provisioning(kube, res, spec, plan, None, cluster_name, "just created",
                                    token_secret, st)  # fmt: skip
-    cluster_uid = cluster["metadata"].get("uid")
-    head_pod = head_pod_of(_ours(await kube.list(POD, ns, names.head_pod_selector(cluster_name)),
-                                 cluster_uid))  # fmt: skip
     readiness = cluster_readiness(cluster, plan.worker_pods, head_pod)
+    live.sort(key=_attempt)
     if not readiness.ready:
+        # Not ready is no evidence that the engine is gone: the route stays while the head job
+        # runs, unless the head pod itself is gone or not Ready (routing.route_ready).
+        await router.route(while_not_ready(live))
         return await _provisioning(kube, res, spec, plan, cluster, cluster_name,
                                    readiness.message, token_secret, st)  # fmt: skip
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
-    live.sort(key=_attempt)
-    flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st)
+    flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
+                    router.route)  # fmt: skip
     await flow.converge(live)
     return st.outcome()

@@ -1,10 +1,12 @@
 """Pure renderers: spec, plan and options in, manifest dicts out; no I/O."""
 
+from vllm_dp_operator.render.endpointslice import build_endpoint_slice
 from vllm_dp_operator.render.headjob import build_head_job, launcher_entrypoint
 from vllm_dp_operator.render.raycluster import build_raycluster, cluster_hash
 from vllm_dp_operator.render.service import build_service
 
 __all__ = [
+    "build_endpoint_slice",
     "build_head_job",
     "build_raycluster",
     "build_service",

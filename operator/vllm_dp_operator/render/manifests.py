@@ -13,7 +13,12 @@ from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.api.validation import FieldError, SpecError, validate
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import Plan, build_plan
-from vllm_dp_operator.render import build_head_job, build_raycluster, build_service
+from vllm_dp_operator.render import (
+    build_endpoint_slice,
+    build_head_job,
+    build_raycluster,
+    build_service,
+)
 
 DEFAULT_NAMESPACE = "default"
 # The first head job of a resource; status.launchAttempts counts jobs created, from 0.
@@ -56,14 +61,16 @@ def parse_resource(doc: Mapping[str, Any]) -> Resource:
 def render_resource(
     resource: Resource, options: RenderOptions, owner: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """RayCluster, Service and the first head job (none while suspended), in creation order."""
+    """RayCluster, Service, its EndpointSlice (no endpoint yet: the head pod's address is known
+    only once it runs) and the first head job (none while suspended), in creation order."""
     cluster = build_raycluster(
         resource.name, resource.namespace, resource.spec, resource.plan, options, owner
     )
     cluster_name = cluster["metadata"]["name"]
     out = [
         cluster,
-        build_service(resource.name, resource.namespace, resource.spec, cluster_name, owner),
+        build_service(resource.name, resource.namespace, resource.spec, owner),
+        build_endpoint_slice(resource.name, resource.namespace, resource.spec, None, False, owner),
     ]
     if not resource.spec.suspend:
         out.append(

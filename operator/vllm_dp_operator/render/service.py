@@ -14,15 +14,16 @@ def build_service(
     instance: str,
     namespace: str,
     spec: VLLMDataParallelSpec,
-    cluster_name: str,
     owner: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """A Service selecting the head pod of one RayCluster once its vLLM answers /health.
+    """A Service with no selector in front of the head pod's vLLM.
 
-    Ray's readiness passes long before vLLM listens; the operator labels the head pod only
-    while /health answers, so clients never reach a closed port. (A readiness gate on the head
-    would deadlock: KubeRay waits for a ready head before the cluster is ready, and the head
-    job starts only then.)
+    Its endpoints are the operator's own EndpointSlice (`endpointslice.py`): the head pod's
+    address, ready only while the operator routes to it. Ray's readiness passes long before
+    vLLM listens, and a label on the head pod would need write access to every pod in the
+    cluster. (A readiness gate on the head would deadlock: KubeRay waits for a ready head
+    before the cluster is ready, and the head job starts only then.) KubeRay's -serve-svc would
+    select worker pods too; only the head serves.
     """
     labels = names.instance_labels(instance, constants.COMPONENT_API)
     return {
@@ -33,15 +34,9 @@ def build_service(
         ),
         "spec": {
             "type": str(spec.service.type),
-            # KubeRay's -serve-svc would select worker pods too; only the head serves.
-            "selector": {
-                constants.LABEL_RAY_CLUSTER: cluster_name,
-                constants.LABEL_RAY_NODE_TYPE: "head",
-                constants.LABEL_SERVING: "true",
-            },
             "ports": [
                 {
-                    "name": "http",
+                    "name": constants.API_PORT_NAME,
                     "protocol": "TCP",
                     "port": spec.service.port,
                     "targetPort": spec.service.port,

@@ -1,0 +1,130 @@
+"""Routing: the API Service's EndpointSlice says whether the head pod takes requests.
+
+The operator owns one EndpointSlice per resource (`render/endpointslice.py`) and writes no
+pod. `headjobs.py` decides when a head job is routed (first success before routing; then only
+its end, its head pod's loss, or N failed probes over T seconds take the route away); this
+module turns that decision into the slice, and clears what an earlier version's
+selector-based Service left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
+from vllm_dp_operator.controller.cache import controller_uid
+from vllm_dp_operator.controller.kube import ENDPOINTS, ENDPOINTSLICE, AlreadyExists, Kube
+from vllm_dp_operator.engines.jobstate import JobState, job_state
+from vllm_dp_operator.reconcile.status import pod_ready
+from vllm_dp_operator.render import build_endpoint_slice
+
+Obj = dict[str, Any]
+#: The managed-by value of the slices the mirroring controller copies from an Endpoints object.
+MIRRORING_MANAGER = "endpointslicemirroring-controller.k8s.io"
+
+
+def _slice_ready_for(current: Obj | None, pod_uid: str) -> bool:
+    """Whether the slice routes to this pod now."""
+    for endpoint in (current or {}).get("endpoints") or []:
+        if (endpoint.get("targetRef") or {}).get("uid") == pod_uid:
+            return bool((endpoint.get("conditions") or {}).get("ready"))
+    return False
+
+
+def route_ready(routed: bool | None, head_pod: Obj | None, current: Obj | None) -> bool:
+    """Whether the head pod's endpoint is ready: the routing decision, where None keeps what
+    the slice says now, and never for a head pod that is gone, going or not Ready."""
+    if head_pod is None or head_pod["metadata"].get("deletionTimestamp"):
+        return False
+    if not pod_ready(head_pod) or not (head_pod.get("status") or {}).get("podIP"):
+        return False
+    if routed is None:
+        return _slice_ready_for(current, head_pod["metadata"].get("uid") or "")
+    return routed
+
+
+def while_not_ready(jobs: list[Obj]) -> bool | None:
+    """The decision while the cluster is not ready (a worker lost, say): no evidence by itself,
+    so keep the route (None) while the newest head job runs; its end or failure unroutes."""
+    if jobs and job_state(jobs[-1]) in (JobState.PENDING, JobState.RUNNING):
+        return None
+    return False
+
+
+def _shape(obj: Obj) -> tuple[Any, ...]:
+    """What routing depends on in a slice; fields the API server may add are left out."""
+    endpoints = [
+        (tuple(e.get("addresses") or ()), bool((e.get("conditions") or {}).get("ready")),
+         bool((e.get("conditions") or {}).get("serving")), (e.get("targetRef") or {}).get("uid"),
+         e.get("nodeName"))
+        for e in obj.get("endpoints") or []
+    ]  # fmt: skip
+    ports = [(p.get("name"), p.get("port"), p.get("protocol", "TCP"))
+             for p in obj.get("ports") or []]  # fmt: skip
+    meta = obj.get("metadata") or {}
+    return (obj.get("addressType"), endpoints, ports, meta.get("ownerReferences"))
+
+
+def _labels_drift(current: Obj, desired: Obj) -> bool:
+    have = current["metadata"].get("labels") or {}
+    return any(have.get(k) != v for k, v in desired["metadata"]["labels"].items())
+
+
+class Router:
+    """Keeps one resource's EndpointSlice in line with the routing decision."""
+
+    def __init__(
+        self, kube: Kube, name: str, namespace: str, uid: str, spec: VLLMDataParallelSpec,
+        head_pod: Obj | None, owner: Obj,
+    ) -> None:  # fmt: skip
+        self.kube, self.name, self.ns, self.uid = kube, name, namespace, uid
+        self.spec, self.head_pod, self.owner = spec, head_pod, owner
+
+    async def route(self, routed: bool | None) -> bool:
+        """Write the slice for this decision (None: keep the current one); return ready."""
+        slice_name = names.endpoint_slice(self.name)
+        current = await self.kube.get(ENDPOINTSLICE, self.ns, slice_name)
+        ready = route_ready(routed, self.head_pod, current)
+        desired = build_endpoint_slice(self.name, self.ns, self.spec, self.head_pod, ready,
+                                       self.owner)  # fmt: skip
+        await self._drop_foreign()
+        if current is None:
+            with contextlib.suppress(AlreadyExists):  # an interrupted reconcile made it
+                await self.kube.create(ENDPOINTSLICE, self.ns, desired)
+            return ready
+        if controller_uid(current) not in (None, self.uid):
+            return False  # a deleted namesake's, until the garbage collector takes it
+        if current.get("addressType") != desired["addressType"] and desired["endpoints"]:
+            # addressType is immutable: a new slice, on the next reconcile (the delete wakes it).
+            await self.kube.delete(ENDPOINTSLICE, self.ns, slice_name)
+            return False
+        if _shape(current) != _shape(desired) or _labels_drift(current, desired):
+            meta = desired["metadata"]
+            await self.kube.patch(ENDPOINTSLICE, self.ns, slice_name, {
+                "metadata": {"labels": meta["labels"], "ownerReferences": meta["ownerReferences"]},
+                "endpoints": desired["endpoints"], "ports": desired["ports"],
+            })  # fmt: skip
+        return ready
+
+    async def _drop_foreign(self) -> None:
+        """Delete slices of our Service that another manager wrote: the EndpointSlice
+        controller's and the mirroring controller's, left from when the Service had a selector
+        (neither removes them when a selector goes). kube-proxy would merge them with ours.
+
+        A mirrored slice means the endpoints controller's last Endpoints object is still there:
+        it goes first, or the mirroring controller would copy it again.
+        """
+        service = names.service(self.name)
+        for other in await self.kube.list(ENDPOINTSLICE, self.ns,
+                                          f"{c.LABEL_SERVICE_NAME}={service}"):  # fmt: skip
+            labels = other["metadata"].get("labels") or {}
+            if labels.get(c.LABEL_SLICE_MANAGED_BY) == c.SLICE_MANAGER:
+                continue
+            if other["metadata"].get("deletionTimestamp"):
+                continue
+            if labels.get(c.LABEL_SLICE_MANAGED_BY) == MIRRORING_MANAGER:
+                await self.kube.delete(ENDPOINTS, self.ns, service)
+            await self.kube.delete(ENDPOINTSLICE, self.ns, other["metadata"]["name"])
