@@ -43,6 +43,7 @@ CLUSTER_HASH_SUFFIX: Final = 6  # "-" + 5 hex characters of the shape hash
 ATTEMPT_SUFFIX: Final = 7  # "-j" + 5 base-36 digits of the attempt (see names.head_job)
 HEAD_SERVICE_SUFFIX: Final = "-head-svc"  # KubeRay's head Service: <cluster>-head-svc
 API_SERVICE_SUFFIX: Final = "-api"
+NETWORK_POLICY_SUFFIX: Final = "-ray"  # the NetworkPolicy in front of the Ray pods
 MAX_NAME_LENGTH: Final = min(
     KUBERAY_MAX_RAYJOB_NAME - ATTEMPT_SUFFIX,
     KUBERAY_MAX_RAYCLUSTER_NAME - CLUSTER_HASH_SUFFIX,
@@ -87,6 +88,7 @@ MANAGER: Final = "vllm-dp-operator"
 COMPONENT_ENGINE: Final = "engine"
 COMPONENT_HEAD_JOB: Final = "head-job"
 COMPONENT_API: Final = "api"
+COMPONENT_NETWORK_POLICY: Final = "network-policy"
 
 # Phases.
 PHASE_INVALID: Final = "Invalid"

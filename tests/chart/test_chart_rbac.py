@@ -25,6 +25,9 @@ REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
         for v in ("get", "list", "watch", "create", "patch", "delete")
     ]
     + [("", "services", v) for v in ("get", "list", "watch", "create", "patch", "delete")]
+    # The NetworkPolicy in front of each resource's Ray pods, cached through a watch.
+    + [("networking.k8s.io", "networkpolicies", v)
+       for v in ("get", "list", "watch", "create", "patch", "delete")]
     # Read, and label the head pod while its vLLM answers (the API Service selects it).
     + [("", "pods", v) for v in ("get", "list", "watch", "patch")]
     + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]

@@ -93,13 +93,14 @@ def test_render_every_example(example: Path, capsys: pytest.CaptureFixture[str])
     code, out, err = run(capsys, "render", "-f", str(example))
     assert (code, err) == (0, "")
     docs = list(yaml.safe_load_all(out))
-    assert [d["kind"] for d in docs] == ["RayCluster", "Service", "RayJob"]
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "RayCluster", "Service", "RayJob"]
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     for doc in docs:
         assert doc["metadata"]["namespace"] == "default"
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == name
         assert "ownerReferences" not in doc["metadata"]  # no uid without a cluster
-    cluster, service, job = docs
+    policy, cluster, service, job = docs
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == name
     assert service["spec"]["selector"]["ray.io/cluster"] == cluster["metadata"]["name"]
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
     assert job["metadata"]["name"] == f"{name}-j00001"
@@ -126,8 +127,8 @@ def test_render_engine_image_and_namespace(
     stdin(monkeypatch, yaml.safe_dump(doc))
     code, out, _ = run(capsys, "render", "-f", "-", "--engine-image", "reg/engine:7")
     assert code == 0
-    cluster, service, job = yaml.safe_load_all(out)
-    assert {d["metadata"]["namespace"] for d in (cluster, service, job)} == {"serving"}
+    policy, cluster, service, job = yaml.safe_load_all(out)
+    assert {d["metadata"]["namespace"] for d in (policy, cluster, service, job)} == {"serving"}
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert head["image"] == "reg/engine:7"
 
@@ -150,9 +151,11 @@ def test_stdin_with_several_documents_and_other_kinds(
     ]
     # A suspended resource gets its (suspended) cluster and Service but no head job.
     assert kinds == [
+        ("NetworkPolicy", "one"),
         ("RayCluster", "one"),
         ("Service", "one"),
         ("RayJob", "one"),
+        ("NetworkPolicy", "two"),
         ("RayCluster", "two"),
         ("Service", "two"),
     ]

@@ -143,8 +143,9 @@ async def test_api_calls_per_reconcile_are_bounded_and_steady() -> None:
         await w.step(advance=5)
         counts.append(dict(w.kube.calls))
     assert all(x == counts[0] for x in counts)
-    # Steady state: reads only (clusters, head jobs, the head pod; the Service), no writes.
-    assert counts[0] == {"list": 3, "get": 1}
+    # Steady state: reads only (clusters, head jobs, the head pod; the Service and the
+    # NetworkPolicy), no writes.
+    assert counts[0] == {"list": 3, "get": 2}
 
 
 async def test_suspend_stops_pods_and_head_job_then_resumes() -> None:

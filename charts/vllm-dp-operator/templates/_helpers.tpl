@@ -82,6 +82,10 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The NetworkPolicy in front of each resource's Ray pods (networkPolicy.enabled).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Cached through a watch: explain Pending Ray pods in the status; label the Ray head pod
 # while its vLLM answers /health (the API Service selects that label). Never create or
 # delete pods.

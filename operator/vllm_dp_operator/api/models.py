@@ -187,6 +187,73 @@ class ServiceType(StrEnum):
     LOAD_BALANCER = "LoadBalancer"
 
 
+#: A label value: at most 63 characters, alphanumerics with inner '-', '_' and '.'; may be empty.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: A label key: an optional DNS-subdomain prefix and '/', then a name as a label value's.
+#: No backslash, which a CEL string literal would take as its own escape.
+LABEL_KEY_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
+
+
+class SelectorOperator(StrEnum):
+    """A label selector requirement's operator (metav1.LabelSelectorOperator)."""
+
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+class LabelSelectorRequirement(ApiModel):
+    """One requirement of a label selector (metav1.LabelSelectorRequirement)."""
+
+    key: str = Field(min_length=1, max_length=317, description="The label key.")
+    operator: SelectorOperator = Field(description="In, NotIn, Exists or DoesNotExist.")
+    values: list[LabelValue] = Field(
+        default_factory=list, max_length=64,
+        description="Values for In and NotIn (at least one); empty for Exists and DoesNotExist.",
+    )  # fmt: skip
+
+
+class LabelSelector(ApiModel):
+    """A label selector (metav1.LabelSelector); an empty one selects everything."""
+
+    match_labels: dict[str, LabelValue] = Field(
+        default_factory=dict, max_length=64,
+        description="Labels that must all be present with these values.",
+    )  # fmt: skip
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=64, description="Requirements that must all hold."
+    )
+
+
+class TrafficSource(ApiModel):
+    """Pods that may reach the API port, as a NetworkPolicy peer: pods matching podSelector in
+    namespaces matching namespaceSelector (either alone: any pod of those namespaces, or the
+    matching pods of the resource's own namespace)."""
+
+    namespace_selector: LabelSelector | None = Field(
+        default=None, description="Namespaces, by their labels ({} for every namespace)."
+    )
+    pod_selector: LabelSelector | None = Field(
+        default=None, description="Pods, by their labels ({} for every pod)."
+    )
+
+
+class NetworkPolicySpec(ApiModel):
+    """The NetworkPolicy the operator renders in front of the Ray pods."""
+
+    enabled: JsonBool = Field(
+        default=True,
+        description="Render a NetworkPolicy that admits Ray's ports only from the cluster's "
+        "own pods (and the operator's and KubeRay's on the dashboard port), and the API port "
+        "from service.allowFrom. Turn off where the namespace's own policies govern the pods.",
+    )
+
+
 class ServiceSpec(ApiModel):
     """The Service exposing vLLM's OpenAI-compatible API server."""
 
@@ -199,6 +266,13 @@ class ServiceSpec(ApiModel):
     )
     annotations: dict[str, str] = Field(
         default_factory=dict, description="Annotations added to the Service."
+    )
+    allow_from: list[TrafficSource] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        description="Who may reach the API port, enforced by the resource's NetworkPolicy: "
+        "unset admits every source; set, only pods matching one of these entries.",
     )
 
 
@@ -302,6 +376,10 @@ class VLLMDataParallelSpec(ApiModel):
     )
     launch: LaunchSpec = Field(
         default_factory=LaunchSpec, description="Launch deadline and stop drain of head jobs."
+    )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        description="The NetworkPolicy that closes Ray's ports to all but the cluster itself.",
     )
     suspend: JsonBool = Field(
         default=False,

@@ -53,6 +53,11 @@ def service(instance: str) -> str:
     return f"{instance}{constants.API_SERVICE_SUFFIX}"
 
 
+def network_policy(instance: str) -> str:
+    """The NetworkPolicy in front of the resource's Ray pods."""
+    return f"{instance}{constants.NETWORK_POLICY_SUFFIX}"
+
+
 def endpoint(instance: str, namespace: str, port: int) -> str:
     """In-cluster base URL of the OpenAI-compatible API, as a user types it.
 

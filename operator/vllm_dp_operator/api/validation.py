@@ -10,7 +10,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.api.models import PackStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import (
+    LABEL_KEY_PATTERN,
+    LabelSelector,
+    PackStrategy,
+    SelectorOperator,
+    VLLMDataParallelSpec,
+)
 from vllm_dp_operator.api.quantity import quantity_value
 
 
@@ -205,6 +211,60 @@ def _reserved_list() -> str:
     return "[" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + "]"
 
 
+_SELECTORS = ("namespaceSelector", "podSelector")
+_LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+_WITH_VALUES = (SelectorOperator.IN, SelectorOperator.NOT_IN)
+
+
+def _selectors(s: VLLMDataParallelSpec) -> list[LabelSelector]:
+    peers = s.service.allow_from or []
+    return [sel for p in peers for sel in (p.namespace_selector, p.pod_selector) if sel]
+
+
+def _each_selector(cond: str) -> str:
+    """CEL: `cond` (over `sel`) holds for every selector of every allowFrom entry."""
+    per_peer = " && ".join(f"(!has(p.{f}) || {cond.replace('sel', f'p.{f}')})" for f in _SELECTORS)
+    return f"!has(self.service.allowFrom) || self.service.allowFrom.all(p, {per_peer})"
+
+
+_ALLOW_FROM_RULES = (
+    Rule(
+        field="service.allowFrom",
+        cel="!has(self.service.allowFrom) || "
+        "self.service.allowFrom.all(p, has(p.namespaceSelector) || has(p.podSelector))",
+        message="each entry needs a namespaceSelector or a podSelector: an entry with neither "
+        "would admit every source",
+        holds=lambda s: all(p.namespace_selector or p.pod_selector
+                            for p in s.service.allow_from or []),
+    ),
+    Rule(
+        field="service.allowFrom",
+        cel=_each_selector(
+            "(!has(sel.matchExpressions) || sel.matchExpressions.all(e, "
+            "(e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0)))"
+        ),
+        message="a matchExpressions entry takes values with In and NotIn (at least one), and "
+        "none with Exists and DoesNotExist",
+        holds=lambda s: all((e.operator in _WITH_VALUES) == bool(e.values)
+                            for sel in _selectors(s) for e in sel.match_expressions),
+    ),
+    Rule(
+        field="service.allowFrom",
+        cel=_each_selector(
+            f"(!has(sel.matchLabels) || sel.matchLabels.all(k, k.matches('{LABEL_KEY_PATTERN}')))"
+            " && (!has(sel.matchExpressions) || "
+            f"sel.matchExpressions.all(e, e.key.matches('{LABEL_KEY_PATTERN}')))"
+        ),
+        message="label keys must be a name of at most 63 characters (letters, digits, '-', "
+        "'_', '.'), optionally after a DNS subdomain prefix and '/', e.g. team or "
+        "example.com/team",
+        holds=lambda s: all(bool(_LABEL_KEY.fullmatch(k))
+                            for sel in _selectors(s)
+                            for k in [*sel.match_labels, *(e.key for e in sel.match_expressions)]),
+    ),
+)
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         field="dataParallel.size",
@@ -320,6 +380,7 @@ RULES: tuple[Rule, ...] = (
         message="must not name a variable twice",
         holds=lambda s: len({e.name for e in s.env}) == len(s.env),
     ),
+    *_ALLOW_FROM_RULES,
 )
 
 @dataclass(frozen=True)

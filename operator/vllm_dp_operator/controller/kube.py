@@ -44,6 +44,7 @@ RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
 RAYJOB = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayjobs")
 SERVICE = Kind("", "v1", "services")
 POD = Kind("", "v1", "pods")
+NETWORKPOLICY = Kind("networking.k8s.io", "v1", "networkpolicies")
 
 
 class AlreadyExists(Exception):

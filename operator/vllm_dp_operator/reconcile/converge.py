@@ -17,7 +17,15 @@ from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import controller_uid
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, AlreadyExists, Kube
+from vllm_dp_operator.controller.kube import (
+    NETWORKPOLICY,
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    AlreadyExists,
+    Kube,
+)
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
 from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
@@ -26,6 +34,7 @@ from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
 from vllm_dp_operator.reconcile.status import PodAsks, cluster_readiness, explain_pending
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
+from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
 
 __all__ = ["Outcome", "Resource", "reconcile"]
 
@@ -87,6 +96,26 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
     if drift:
         patch = {"metadata": {"annotations": meta.get("annotations") or {}}, "spec": want}
         await kube.patch(SERVICE, meta["namespace"], meta["name"], patch)
+
+
+async def _ensure_network_policy(
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, cfg: Config, owner: dict[str, Any]
+) -> None:
+    """Create or repair the policy in front of the Ray pods; delete ours when turned off."""
+    name = names.network_policy(res.name)
+    current = await kube.get(NETWORKPOLICY, res.namespace, name)
+    if current is not None and not _ours([current], res.uid):
+        return  # a deleted namesake's, until the garbage collector takes it
+    if not wanted(spec, cfg.render.peers):
+        if current is not None and not current["metadata"].get("deletionTimestamp"):
+            await kube.delete(NETWORKPOLICY, res.namespace, name)
+        return
+    desired = build_network_policy(res.name, res.namespace, spec, cfg.render.peers, owner)
+    if current is None:
+        await _create(kube, NETWORKPOLICY, desired)
+    elif current.get("spec") != desired["spec"]:
+        # A merge patch replaces each list whole, so an edited rule goes back as rendered.
+        await kube.patch(NETWORKPOLICY, res.namespace, name, {"spec": desired["spec"]})
 
 
 async def _ensure_cluster(
@@ -185,6 +214,8 @@ async def reconcile(
                      res.uid)  # fmt: skip
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
+    # The policy goes first: the Ray pods are never up without it.
+    await _ensure_network_policy(kube, res, spec, cfg, owner)
     await _ensure_service(kube, build_service(res.name, ns, spec, cluster_name, owner), res.uid)
     cluster = await _ensure_cluster(kube, desired, clusters, st)
 

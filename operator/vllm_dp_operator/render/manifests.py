@@ -14,6 +14,7 @@ from vllm_dp_operator.api.validation import FieldError, SpecError, validate
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.render import build_head_job, build_raycluster, build_service
+from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
 
 DEFAULT_NAMESPACE = "default"
 # The first head job of a resource; status.launchAttempts counts jobs created, from 0.
@@ -56,12 +57,17 @@ def parse_resource(doc: Mapping[str, Any]) -> Resource:
 def render_resource(
     resource: Resource, options: RenderOptions, owner: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """RayCluster, Service and the first head job (none while suspended), in creation order."""
+    """NetworkPolicy (unless turned off), RayCluster, Service and the first head job (none
+    while suspended), in creation order."""
     cluster = build_raycluster(
         resource.name, resource.namespace, resource.spec, resource.plan, options, owner
     )
     cluster_name = cluster["metadata"]["name"]
-    out = [
+    out = []
+    if wanted(resource.spec, options.peers):
+        out.append(build_network_policy(resource.name, resource.namespace, resource.spec,
+                                        options.peers, owner))  # fmt: skip
+    out += [
         cluster,
         build_service(resource.name, resource.namespace, resource.spec, cluster_name, owner),
     ]
