@@ -402,12 +402,14 @@ INVALID: list[Any] = [
     ),
     pytest.param(
         {"service": {"allowFrom": [{"podSelector": {"matchLabels": {"bad key!": "x"}}}]}},
-        "spec.service.allowFrom", "label keys must be", id="allow-from-bad-label-key",
+        "spec.service.allowFrom[0].podSelector.matchLabels", "label keys must be",
+        id="allow-from-bad-label-key",
     ),
     pytest.param(
         {"service": {"allowFrom": [{"podSelector": {"matchExpressions": [
             {"key": "/x", "operator": "Exists"}]}}]}},
-        "spec.service.allowFrom", "label keys must be", id="allow-from-bad-expression-key",
+        "spec.service.allowFrom[0].podSelector.matchExpressions[0].key", "should match pattern",
+        id="allow-from-bad-expression-key",
     ),
     pytest.param(
         {"service": {"allowFrom": []}}, "spec.service.allowFrom", "at least 1 item",

@@ -11,7 +11,6 @@ from pydantic import ValidationError
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.api.models import (
-    LABEL_KEY_PATTERN,
     LabelSelector,
     PackStrategy,
     SelectorOperator,
@@ -212,7 +211,6 @@ def _reserved_list() -> str:
 
 
 _SELECTORS = ("namespaceSelector", "podSelector")
-_LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
 _WITH_VALUES = (SelectorOperator.IN, SelectorOperator.NOT_IN)
 
 
@@ -247,20 +245,6 @@ _ALLOW_FROM_RULES = (
         "none with Exists and DoesNotExist",
         holds=lambda s: all((e.operator in _WITH_VALUES) == bool(e.values)
                             for sel in _selectors(s) for e in sel.match_expressions),
-    ),
-    Rule(
-        field="service.allowFrom",
-        cel=_each_selector(
-            f"(!has(sel.matchLabels) || sel.matchLabels.all(k, k.matches('{LABEL_KEY_PATTERN}')))"
-            " && (!has(sel.matchExpressions) || "
-            f"sel.matchExpressions.all(e, e.key.matches('{LABEL_KEY_PATTERN}')))"
-        ),
-        message="label keys must be a name of at most 63 characters (letters, digits, '-', "
-        "'_', '.'), optionally after a DNS subdomain prefix and '/', e.g. team or "
-        "example.com/team",
-        holds=lambda s: all(bool(_LABEL_KEY.fullmatch(k))
-                            for sel in _selectors(s)
-                            for k in [*sel.match_labels, *(e.key for e in sel.match_expressions)]),
     ),
 )
 
