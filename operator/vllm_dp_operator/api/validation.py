@@ -220,8 +220,8 @@ def _selectors(s: VLLMDataParallelSpec) -> list[LabelSelector]:
 
 
 def _each_selector(cond: str) -> str:
-    """CEL: `cond` (over `sel`) holds for every selector of every allowFrom entry."""
-    per_peer = " && ".join(f"(!has(p.{f}) || {cond.replace('sel', f'p.{f}')})" for f in _SELECTORS)
+    """CEL: `cond` (over `{sel}`) holds for every selector of every allowFrom entry."""
+    per_peer = " && ".join(f"(!has(p.{f}) || {cond.format(sel=f'p.{f}')})" for f in _SELECTORS)
     return f"!has(self.service.allowFrom) || self.service.allowFrom.all(p, {per_peer})"
 
 
@@ -238,7 +238,7 @@ _ALLOW_FROM_RULES = (
     Rule(
         field="service.allowFrom",
         cel=_each_selector(
-            "(!has(sel.matchExpressions) || sel.matchExpressions.all(e, "
+            "(!has({sel}.matchExpressions) || {sel}.matchExpressions.all(e, "
             "(e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0)))"
         ),
         message="a matchExpressions entry takes values with In and NotIn (at least one), and "
