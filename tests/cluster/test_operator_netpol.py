@@ -65,10 +65,11 @@ def client_pod(name: str, ns: str, labels: dict[str, str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def vdp(operator: RunningCluster) -> Iterator[Vdp]:
     import_engine(operator, IMAGE)
-    own_namespace(operator, NS)
-    for ns, labels in ((CLIENTS, {"team": "clients"}), (OTHERS, {})):
+    for ns in (CLIENTS, OTHERS):  # an earlier run's clients, before the nodes must be empty
         operator.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true",
                          timeout=180)  # fmt: skip
+    own_namespace(operator, NS)
+    for ns, labels in ((CLIENTS, {"team": "clients"}), (OTHERS, {})):
         operator.kubectl("create", "namespace", ns)
         if labels:
             operator.kubectl("label", "namespace", ns, *(f"{k}={v}" for k, v in labels.items()))
