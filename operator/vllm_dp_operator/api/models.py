@@ -191,7 +191,6 @@ class ServiceType(StrEnum):
 #: A label value: at most 63 characters, alphanumerics with inner '-', '_' and '.'; may be empty.
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 #: A label key: an optional DNS-subdomain prefix and '/', then a name as a label value's.
-#: No backslash, which a CEL string literal would take as its own escape.
 LABEL_KEY_PATTERN = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
