@@ -14,6 +14,7 @@ policy's doing, not a port nobody listens on.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,6 +123,7 @@ def test_ray_ports_closed_to_another_namespace_api_port_open(vdp: Vdp) -> None:
     ip = head_ip(vdp)
     closed = settled(vdp, "outside", ip, RAY_PORTS, want_open=False)
     assert set(closed.values()) <= {"refused", "timeout"}, closed
+    sys.stderr.write(f"[netpol] from {CLIENTS}/outside to the head {ip}: {closed}\n")
     assert connect(vdp, "outside", ip, API_PORT) == "open"
     assert connect(vdp, "stranger", ip, API_PORT) == "open"
     # Through KubeRay's head Service too: the ClusterIP leads to the same closed port.
