@@ -115,6 +115,63 @@ class LeaderElection:
         return election
 
 
+Labels = tuple[tuple[str, str], ...]
+
+
+def parse_labels(name: str, raw: str | None) -> Labels:
+    """`k=v,k2=v2` (an env variable's form) as sorted pairs; raise naming the variable."""
+    pairs = []
+    for item in (raw or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key:
+            raise ValueError(f"{name}={raw!r}: expected key=value pairs separated by commas")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(sorted(pairs))
+
+
+@dataclass(frozen=True)
+class PolicyPeers:
+    """Who, besides a Ray cluster's own pods, the rendered NetworkPolicy admits: the operator
+    (the dashboard and the API port, for its job calls and /health probes) and KubeRay (the
+    dashboard: it submits and polls the head job there)."""
+
+    #: VLLMDP_NETWORK_POLICY: render a NetworkPolicy for each resource that asks for one.
+    enabled: bool = True
+    #: VLLMDP_OPERATOR_NAMESPACE (else POD_NAMESPACE): the operator pods' namespace; "" (the
+    #: operator outside the cluster) admits no operator pod.
+    operator_namespace: str = ""
+    #: VLLMDP_OPERATOR_POD_LABELS: the operator pods' labels, `k=v,...` (the chart's selector).
+    operator_pod_labels: Labels = ()
+    #: VLLMDP_OPERATOR_CIDRS: address blocks admitted like the operator's pods, for an operator
+    #: outside the pod network (apiserver-proxy mode: the API servers' addresses).
+    operator_cidrs: tuple[str, ...] = ()
+    #: VLLMDP_KUBERAY_NAMESPACE: KubeRay's namespace; "" for the operator's own.
+    kuberay_namespace: str = ""
+    #: VLLMDP_KUBERAY_POD_LABELS: KubeRay's operator pods' labels (its chart's default).
+    kuberay_pod_labels: Labels = (("app.kubernetes.io/name", "kuberay-operator"),)
+
+    @classmethod
+    def from_env(cls) -> PolicyPeers:
+        """Read the NetworkPolicy peers from the process environment."""
+        default = cls()
+        kuberay_labels = os.environ.get("VLLMDP_KUBERAY_POD_LABELS")
+        return cls(
+            enabled=_env_bool("VLLMDP_NETWORK_POLICY", True),
+            operator_namespace=(os.environ.get("VLLMDP_OPERATOR_NAMESPACE")
+                                or os.environ.get("POD_NAMESPACE") or ""),
+            operator_pod_labels=parse_labels("VLLMDP_OPERATOR_POD_LABELS",
+                                             os.environ.get("VLLMDP_OPERATOR_POD_LABELS")),
+            operator_cidrs=tuple(c.strip() for c in
+                                 (os.environ.get("VLLMDP_OPERATOR_CIDRS") or "").split(",")
+                                 if c.strip()),
+            kuberay_namespace=os.environ.get("VLLMDP_KUBERAY_NAMESPACE") or "",
+            kuberay_pod_labels=(parse_labels("VLLMDP_KUBERAY_POD_LABELS", kuberay_labels)
+                                if kuberay_labels else default.kuberay_pod_labels),
+        )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RenderOptions:
     """Operator-wide inputs of the renderers (kept apart so renderers never read env)."""
@@ -127,6 +184,9 @@ class RenderOptions:
     socket_ifname: str = "eth0"
     #: fsGroup of every Ray pod, so the non-root engine can write the model cache claim.
     fs_group: int = 2000
+    #: The NetworkPolicy's switch and its peers besides the Ray pods (VLLMDP_NETWORK_POLICY,
+    #: VLLMDP_OPERATOR_*, VLLMDP_KUBERAY_*).
+    peers: PolicyPeers = field(default_factory=PolicyPeers)
 
 
 @dataclass(frozen=True)
@@ -207,6 +267,7 @@ class Config:
                 default_image=os.environ.get("VLLMDP_ENGINE_IMAGE") or defaults.default_image,
                 socket_ifname=os.environ.get("VLLMDP_SOCKET_IFNAME") or defaults.socket_ifname,
                 fs_group=int(os.environ.get("VLLMDP_ENGINE_FS_GROUP") or defaults.fs_group),
+                peers=PolicyPeers.from_env(),
             ),
             health_probe=os.environ.get("VLLMDP_HEALTH_PROBE") or "service-dns",
             cluster_domain=cluster_domain(os.environ.get("VLLMDP_CLUSTER_DOMAIN")),

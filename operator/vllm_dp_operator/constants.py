@@ -49,6 +49,7 @@ RAY_TOKEN_SECRET_SUFFIX: Final = "-ray-token"
 # server's service proxy consumes `Authorization` itself, so KubeRay sends this one.
 RAY_TOKEN_SECRET_KEY: Final = "auth_token"
 RAY_AUTH_HEADER: Final = "x-ray-authorization"
+NETWORK_POLICY_SUFFIX: Final = "-ray"  # the NetworkPolicy in front of the Ray pods
 MAX_NAME_LENGTH: Final = min(
     KUBERAY_MAX_RAYJOB_NAME - ATTEMPT_SUFFIX,
     KUBERAY_MAX_RAYCLUSTER_NAME - CLUSTER_HASH_SUFFIX,
@@ -109,6 +110,7 @@ COMPONENT_API: Final = "api"
 COMPONENT_RAY_AUTH: Final = "ray-auth"
 # The API Service's one port: its EndpointSlice's port must carry the same name.
 API_PORT_NAME: Final = "http"
+COMPONENT_NETWORK_POLICY: Final = "network-policy"
 
 # Phases.
 PHASE_INVALID: Final = "Invalid"

@@ -26,7 +26,9 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_ENGINE_METRICS_MAX_BYTES", "VLLMDP_LEADER_ELECTION",
              "VLLMDP_LEASE_NAME", "VLLMDP_LEASE_DURATION_SECONDS",
              "VLLMDP_RENEW_DEADLINE_SECONDS", "VLLMDP_RETRY_PERIOD_SECONDS",
-             "VLLMDP_READINESS_PORT", "VLLMDP_RAY_AUTH_KEY_FILE"]
+             "VLLMDP_READINESS_PORT", "VLLMDP_RAY_AUTH_KEY_FILE", "VLLMDP_NETWORK_POLICY",
+             "VLLMDP_OPERATOR_NAMESPACE", "VLLMDP_OPERATOR_POD_LABELS", "VLLMDP_OPERATOR_CIDRS",
+             "VLLMDP_KUBERAY_NAMESPACE", "VLLMDP_KUBERAY_POD_LABELS"]
 
 
 def _deployment(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -321,3 +323,44 @@ def test_image_pull_secrets_take_the_name_form_and_plain_names(helm_bin: str) ->
     assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [
         {"name": "regcred"}, {"name": "legacy"},
     ]  # fmt: skip
+
+
+def test_network_policy_peers_reach_the_operator(
+    helm_bin: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The operator's pods are named by the Deployment's own selector, in the release namespace.
+    config = pytest.importorskip("vllm_dp_operator.config")
+    dep = _deployment()
+    env = _env(dep)
+    selector = dep["spec"]["selector"]["matchLabels"]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("VLLMDP_RAY_AUTH_KEY_FILE")  # a mounted Secret in the pod, not here
+    peers = config.Config.from_env().render.peers
+    assert peers.enabled and peers.operator_namespace == chartlib.DEFAULT_NAMESPACE
+    assert dict(peers.operator_pod_labels) == selector
+    assert dep["spec"]["template"]["metadata"]["labels"].items() >= selector.items()
+    assert peers.kuberay_namespace == "" and peers.operator_cidrs == ()
+    assert peers.kuberay_pod_labels == config.PolicyPeers().kuberay_pod_labels
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"networkPolicy": {
+        "enabled": False, "operatorCIDRs": ["10.0.0.10/32", "10.0.0.11/32"],
+        "kuberay": {"namespace": "kuberay-system",
+                    # Helm merges maps: null drops the default label.
+                    "podLabels": {"app": "kuberay", "team": "ray",
+                                  "app.kubernetes.io/name": None}}}}))  # fmt: skip
+    for name, value in _env(_deployment((values,))).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("VLLMDP_RAY_AUTH_KEY_FILE")
+    peers = config.Config.from_env().render.peers
+    assert not peers.enabled
+    assert peers.operator_cidrs == ("10.0.0.10/32", "10.0.0.11/32")
+    assert peers.kuberay_namespace == "kuberay-system"
+    assert peers.kuberay_pod_labels == (("app", "kuberay"), ("team", "ray"))
+
+
+@pytest.mark.parametrize("bad", ["networkPolicy.kuberay.namespace=Kube_Ray",
+                                 "networkPolicy.operatorCIDRs={10.0.0.1}"])
+def test_bad_network_policy_values_fail_the_install(helm_bin: str, bad: str) -> None:
+    with pytest.raises(AssertionError, match="networkPolicy"):
+        chartlib.render((), (bad,))

@@ -52,7 +52,12 @@ def test_down_leaves_nothing(cluster: RunningCluster) -> None:
     for save in ("iptables-save", "ip6tables-save"):
         chains = [ln for ln in _out(save).splitlines() if re.match(r"^:(KUBE|CNI)-", ln)]
         rules = [ln for ln in _out(save).splitlines() if re.search(r"-j (KUBE|CNI)-", ln)]
-        assert chains == [] and rules == [], save
+        assert chains == [] and rules == [], save  # kube-router's KUBE-ROUTER-*/-POD-FW-* too
+    # The NetworkPolicy enforcer's address sets (kube-router: KUBE-SRC-*, KUBE-DST-*), and its
+    # kernel probe's throwaway namespace.
+    ipsets = [n for n in _out("ipset", "list", "-n").split() if n.startswith("KUBE-")]
+    assert ipsets == []
+    assert "vdptb-nftq" not in _out("ip", "netns", "list")
     # Every node's cgroup root by its prefix, whatever the node count (`cluster up --nodes`).
     assert {n["cgroup_root"] for n in cluster.nodes} == {
         f"vllmdp-node-{i}" for i in range(1, len(cluster.nodes) + 1)}

@@ -192,6 +192,15 @@ INVALID = [
                                                     "packStrategy": "spread"}}),
     ("shmSize", {"shmSize": "lots"}),
     ("bogusField", {"bogusField": 1}),
+    # Who may reach the API port (the NetworkPolicy's allowFrom), and its switch.
+    ("service.allowFrom", {"service": {"allowFrom": [{}]}}),
+    ("service.allowFrom", {"service": {"allowFrom": []}}),
+    ("service.allowFrom", {"service": {"allowFrom": [
+        {"podSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}]}}),
+    ("service.allowFrom", {"service": {"allowFrom": [
+        {"podSelector": {"matchExpressions": [{"key": "/x", "operator": "Exists"}]}}]}}),
+    ("service.allowFrom", {"service": {"allowFrom": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}}),
+    ("networkPolicy.enabled", {"networkPolicy": {"enabled": "no"}}),
 ]
 
 

@@ -39,6 +39,8 @@ MUST_NAMESPACED = [
     *[(v, r, "") for r in ("rayclusters.ray.io", "rayjobs.ray.io")
       for v in ("get", "list", "watch", "create", "patch", "delete")],
     *[(v, "services", "") for v in ("get", "list", "watch", "create", "patch", "delete")],
+    *[(v, "networkpolicies.networking.k8s.io", "")
+      for v in ("get", "list", "watch", "create", "patch", "delete")],
     *[(v, "endpointslices.discovery.k8s.io", "")
       for v in ("get", "list", "watch", "create", "patch", "delete")],
     ("delete", "endpoints", ""),

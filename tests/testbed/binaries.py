@@ -9,6 +9,8 @@
 - Kueue (`build_kueue`), for the Kueue tests only: its manager with `go install`, and its CRDs
   and webhook manifests from the same module. Cached in `<cache>/kueue-<key>/`, keyed by its
   pin alone (versions.env's last block, left out of the control plane's key).
+- The real nodes' NetworkPolicy enforcer (`build_netpol`): kube-router with `go install`,
+  cached in `<cache>/netpol-<key>/`, keyed by its own pin alone.
 
 What the beds run from Debian (etcd, containerd, runc, the CNI plugins, ...) is in the one list
 of host commands, hostreqs.py: each build checks (as root: installs) its part first.
@@ -57,27 +59,51 @@ BUILD_RECIPE = "2"
 NODE_RECIPE = "1"
 KUEUE_RECIPE = "1"
 KUEUE_MODULE = "sigs.k8s.io/kueue"
-#: The first line of versions.env's Kueue block.
-KUEUE_PIN_MARK = b"# sigs.k8s.io/kueue (cmd/kueue)"
+
+NETPOL_RECIPE = "1"
+KUBE_ROUTER_PACKAGE = "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"
+# Pins whose binaries have a cache of their own, left out of the bin- and nodes- keys.
+OWN_CACHE_PINS = ("KUBE_ROUTER_VERSION", "KUEUE_VERSION")
 
 
-def _key(recipe: str, files: list[Path], texts: dict[str, bytes] | None = None) -> str:
+def without_own_pins(text: str) -> bytes:
+    """versions.env without the pins of binaries cached apart (OWN_CACHE_PINS), each with its
+    paragraph (the comment lines above it, back to a blank line, and that line): a new enforcer
+    version rebuilds the enforcer alone."""
+    lines = text.splitlines(keepends=True)
+    keep = [True] * len(lines)
+    for i, line in enumerate(lines):
+        if line.split("=", 1)[0].strip() in OWN_CACHE_PINS:
+            keep[i] = False
+            j = i - 1
+            while j >= 0 and lines[j].startswith("#"):
+                keep[j], j = False, j - 1
+            if j >= 0 and not lines[j].strip():
+                keep[j] = False
+    return "".join(ln for ln, k in zip(lines, keep, strict=True) if k).encode()
+
+
+def _key(recipe: str, files: list[Path]) -> str:
     h = hashlib.sha256(f"recipe={recipe}\0".encode())
     for f in files:
-        body = (texts or {}).get(f.name, f.read_bytes())
-        h.update(str(f.relative_to(HERE)).encode() + b"\0" + body + b"\0")
+        data = without_own_pins(f.read_text()) if f.name == "versions.env" else f.read_bytes()
+        h.update(str(f.relative_to(HERE)).encode() + b"\0" + data + b"\0")
     return h.hexdigest()[:12]
 
 
-def _pins_without_kueue() -> bytes:
-    """versions.env up to its Kueue block, which keys Kueue's own cache (kueue-<key>)."""
-    text = (HERE / "versions.env").read_bytes()
-    return text[: text.index(KUEUE_PIN_MARK)] if KUEUE_PIN_MARK in text else text
+def netpol_key() -> str:
+    """The enforcer's cache key: its pin and its recipe only."""
+    h = hashlib.sha256(f"recipe={NETPOL_RECIPE}\0".encode())
+    h.update(f"{KUBE_ROUTER_PACKAGE}@{versions()['KUBE_ROUTER_VERSION']}".encode())
+    return h.hexdigest()[:12]
+
+
+def netpol_bin_dir() -> Path:
+    return cache_root() / f"netpol-{netpol_key()}"
 
 
 def version_key() -> str:
-    return _key(BUILD_RECIPE, [HERE / n for n in ("versions.env", "go.mod", "go.sum")],
-                {"versions.env": _pins_without_kueue()})  # fmt: skip
+    return _key(BUILD_RECIPE, [HERE / n for n in ("versions.env", "go.mod", "go.sum")])
 
 
 def kueue_key() -> str:
@@ -137,10 +163,16 @@ def binaries_present(bd: Path | None = None) -> bool:
 
 
 def node_binaries_present(nd: Path | None = None) -> bool:
+    """The real-node binaries and images, the NetworkPolicy enforcer (its own cache) included."""
     nd = nd or node_bin_dir()
     return all((nd / b).is_file() for b in [*NODE_K8S_COMMANDS, *NODECMD_COMMANDS]) and all(
         (nd / "images" / f"{n}.tar").is_file() for n in NODE_IMAGES
-    )
+    ) and netpol_binary().is_file()
+
+
+def netpol_binary() -> Path:
+    """Where build_netpol puts kube-router."""
+    return netpol_bin_dir() / "kube-router"
 
 
 def ensure_host(uses: tuple[str, ...]) -> None:
@@ -299,10 +331,11 @@ def _one_file_image(binary: Path, ref: str, out: Path, work: Path) -> None:
 
 
 def build_nodes(force: bool = False) -> Path:
-    """Build (or reuse) the real-node binaries and images; return their dir."""
+    """Build (or reuse) the real-node binaries and images, and the enforcer; return their dir."""
     nd = node_bin_dir()
     ensure_host(host_uses(REAL_NODE_USES, force or not node_binaries_present(nd)))
     _check_coredns_pin()
+    build_netpol(force)
 
     def recipe(tmp: Path) -> None:
         for cmd in NODE_K8S_COMMANDS:
@@ -368,3 +401,18 @@ def build_kueue(force: bool = False) -> Path:
         (kd / "BUILD_INFO.json").write_text(json.dumps({"KUEUE_VERSION": v, "key": kueue_key()}))
 
     return _cached_build(kd, kueue_present, force, recipe)
+
+
+def build_netpol(force: bool = False) -> Path:
+    """Build (or reuse) the NetworkPolicy enforcer, kube-router (netpolicy.py); return its path."""
+    target = netpol_bin_dir()
+    ensure_host(host_uses(REAL_NODE_USES, force or not netpol_binary().is_file()))
+
+    def recipe(tmp: Path) -> None:
+        pkg = f"{KUBE_ROUTER_PACKAGE}@{versions()['KUBE_ROUTER_VERSION']}"
+        _run_build(["go", "install", "-ldflags=-s -w", pkg], HERE, dict(go_env(), GOBIN=str(tmp)),
+                   pkg)  # fmt: skip
+        os.replace(tmp / "kube-router", target / "kube-router")
+
+    _cached_build(target, lambda d: (d / "kube-router").is_file(), force, recipe)
+    return netpol_binary()

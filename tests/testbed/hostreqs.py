@@ -115,6 +115,8 @@ TABLE: tuple[Need, ...] = (
     _n("ip6tables-save", "iptables", "cluster", "finding our chains, IPv6 (hostnet)"),
     _n("iptables-restore", "iptables", "cluster", "kube-proxy's iptables mode"),
     _n("ip6tables-restore", "iptables", "cluster", "kube-proxy's iptables mode, IPv6"),
+    _n("ipset", "ipset", "cluster",
+       "the NetworkPolicy enforcer's address sets (kube-router's firewall; netpolicy)"),
     _n("/usr/bin/containerd", "containerd", "cluster", "each node's runtime (realnodes)"),
     _n("/usr/bin/ctr", "containerd", "cluster", "image import, container cleanup (realnodes)"),
     _n("runc", "runc", "cluster", "containerd's OCI runtime"),

@@ -5,7 +5,8 @@ each), kube-proxy and KubeRay, on this host, as root.
 (10.202.0.1:6443, reachable from pods as the `kubernetes` Service 10.201.0.1:443),
 controller-manager (with node lifecycle), scheduler, CoreDNS, each node's containerd (pause
 and probe images imported) and kubelet, `nvidia.com/gpu` on each node's status, kube-proxy,
-KubeRay (resolving cluster names through CoreDNS), our CRDs, then any image archives given.
+the NetworkPolicy enforcer (netpolicy.py), KubeRay (resolving cluster names through CoreDNS),
+our CRDs, then any image archives given.
 `down` deletes every pod while the kubelets run (so CNI tears the pod network down), stops
 everything by recorded PID, removes left containers, shims, cgroups and mounts, and restores
 the host record; `leftovers` lists anything of ours still there. State: `.cluster/` in the
@@ -23,8 +24,9 @@ from typing import Any
 
 import addons
 import hostnet
+import netpolicy
 import realnodes
-from binaries import PAUSE_IMAGE, node_bin_dir
+from binaries import PAUSE_IMAGE, netpol_binary, node_bin_dir
 from common import REPO, http_get, log, pid_alive, wait_for
 from controlplane import ADMISSION_ALWAYS, ControlPlane, Profile
 from procs import Launcher, State, stop, stop_all
@@ -51,7 +53,7 @@ PROFILE = Profile(
 )
 RUNTIME_BINARIES = {"containerd", "containerd-shim-runc-v2", "kubelet", "kube-proxy", "coredns",
                     "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-                    "ray-operator", "runc"}  # fmt: skip
+                    "ray-operator", "runc", "kube-router"}  # fmt: skip
 
 
 def state_dir() -> Path:
@@ -73,7 +75,7 @@ def components(st: State) -> list[str]:
     """Everything `up` starts, in start order."""
     per_node = [f"{p}-{n.name}" for n in nodes_of(st) for p in ("containerd", "kubelet")]
     return ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "coredns",
-            *per_node, "kube-proxy", "kuberay-operator"]  # fmt: skip
+            *per_node, "kube-proxy", netpolicy.COMPONENT, "kuberay-operator"]  # fmt: skip
 
 
 def healthy(st: State) -> bool:
@@ -186,6 +188,7 @@ def up(st: State, bd: Path, nd: Path, node_count: int | None, gpus: int,
     launcher = Launcher(st)
     cp = ControlPlane(st, bd, PROFILE, launcher)
     users = {"coredns": addons.COREDNS_USER, "kube-proxy": addons.KUBE_PROXY_USER,
+             "netpol": netpolicy.USER,
              **{n.name: (f"system:node:{n.name}", "system:nodes") for n in nodes}}  # fmt: skip
     cp.prepare(users, None, None, (), {
         "mode": "real-nodes", "node_count": len(nodes), "gpus_per_node": gpus,
@@ -199,6 +202,7 @@ def up(st: State, bd: Path, nd: Path, node_count: int | None, gpus: int,
     addons.start_coredns(cp, launcher, nd)
     node_ports = _start_nodes(cp, launcher, host, nodes, nd, gpus)
     addons.start_kube_proxy(cp, launcher, nd, host, nodes[0].name)
+    netpolicy.start(cp, launcher, netpol_binary())
     resolv = st.root / "resolv.conf"
     resolv.write_text(f"nameserver {hostnet.DNS_IP}\nsearch svc.cluster.local cluster.local\n"
                       "options ndots:5\n")  # fmt: skip
@@ -263,7 +267,8 @@ def down(st: State) -> list[str]:
         realnodes.remove_containers(n)
         stop(st, f"containerd-{n.name}")
     realnodes.kill_shims(nodes)
-    stop_all(st, ["kube-proxy", "coredns", "kube-scheduler", "kube-apiserver", "etcd"])
+    stop_all(st, [netpolicy.COMPONENT, "kube-proxy", "coredns", "kube-scheduler",
+                  "kube-apiserver", "etcd"])  # fmt: skip
     addons.kube_proxy_cleanup(nd)
     problems = [p for n in nodes for p in realnodes.remove_cgroups(n)]
     _unmount_under([st.root, *(n.store for n in nodes)])
@@ -273,6 +278,7 @@ def down(st: State) -> list[str]:
     if host is not None:
         problems += host.restore()
         os.replace(host.path, restored)
+    problems += netpolicy.remove_ipsets()  # once restore has removed the rules that use them
     if not [m for m in _mounts() if m.startswith(f"{st.root}/")]:
         shutil.rmtree(st.root / "nodes", ignore_errors=True)
     left = problems + leftovers(st)
@@ -315,6 +321,7 @@ def leftovers(st: State) -> list[str]:
     found += [f"link {link}" for link in hostnet.our_links()]
     found += [f"address {a}" for a in hostnet.addresses_in_our_ranges()]
     found += [f"iptables chain {c}" for c in hostnet.iptables_leftovers()]
+    found += [f"ipset {s}" for s in netpolicy.ipset_leftovers()]
     found += [f"file {f}" for f in hostnet.runtime_files(st.root)]
     record = hostnet.HostRecord.load(st.root / "host.restored.json")
     if record is not None:

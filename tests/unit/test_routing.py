@@ -201,7 +201,7 @@ async def test_no_path_writes_a_pod() -> None:
     assert w.pod_writes() == []
     assert {kind for _, kind, _ in w.kube.writes} <= {"services", "endpointslices",
                                                       "rayclusters", "rayjobs",
-                                                      "secrets"}  # fmt: skip
+                                                      "secrets", "networkpolicies"}  # fmt: skip
     assert {verb for verb, kind, _ in w.kube.writes if kind == "secrets"} <= {"create"}
 
 
@@ -209,5 +209,7 @@ async def test_a_fresh_world_creates_service_and_slice_first() -> None:
     w = World()
     await w.step()
     kinds = [kind for verb, kind, _ in w.kube.writes if verb == "create"]
-    # The Ray token Secret before the cluster whose pods read it.
-    assert kinds[:4] == ["services", "secrets", "rayclusters", "endpointslices"]
+    # The NetworkPolicy first (the Ray pods are never up without it), the Ray token Secret
+    # before the cluster whose pods read it.
+    assert kinds[:5] == ["networkpolicies", "services", "secrets", "rayclusters",
+                         "endpointslices"]  # fmt: skip

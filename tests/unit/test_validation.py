@@ -62,6 +62,13 @@ def args(*flags: str) -> dict[str, Any]:
 VALID: list[Any] = [
     pytest.param({}, id="base"),
     pytest.param({"tensorParallelSize": 2}, id="tp2-default-per-pod"),
+    pytest.param({"service": {"allowFrom": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "clients"}},
+         "podSelector": {"matchExpressions": [{"key": "example.com/role", "operator": "In",
+                                               "values": ["gateway"]}]}},
+        {"podSelector": {"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}},
+    ]}}, id="allow-from"),
+    pytest.param({"networkPolicy": {"enabled": False}}, id="network-policy-off"),
     pytest.param(dp(5, 2, "fill"), id="fill-partial-last-pod"),
     pytest.param(merge(dp(6, 2, "fill"), {"gpu": {"perPod": 4}}), id="fill-bigger-workers"),
     pytest.param(dp(2, 2), id="single-pod"),
@@ -398,7 +405,36 @@ INVALID: list[Any] = [
                  "should match pattern", id="queue-not-dns-label"),
     pytest.param({"scheduling": {"schedulerName": "slurm", "queueName": "q"}},
                  "spec.scheduling.schedulerName", "Input should be", id="unknown-scheduler"),
-]
+    pytest.param(
+        {"service": {"allowFrom": [{}]}}, "spec.service.allowFrom",
+        "needs a namespaceSelector or a podSelector", id="allow-from-empty-entry",
+    ),
+    pytest.param(
+        {"service": {"allowFrom": [{"podSelector": {"matchExpressions": [
+            {"key": "a", "operator": "In"}]}}]}},
+        "spec.service.allowFrom", "takes values with In and NotIn", id="allow-from-in-no-values",
+    ),
+    pytest.param(
+        {"service": {"allowFrom": [{"namespaceSelector": {"matchExpressions": [
+            {"key": "a", "operator": "Exists", "values": ["b"]}]}}]}},
+        "spec.service.allowFrom", "none with Exists", id="allow-from-exists-with-values",
+    ),
+    pytest.param(
+        {"service": {"allowFrom": [{"podSelector": {"matchLabels": {"bad key!": "x"}}}]}},
+        "spec.service.allowFrom[0].podSelector.matchLabels", "label keys must be",
+        id="allow-from-bad-label-key",
+    ),
+    pytest.param(
+        {"service": {"allowFrom": [{"podSelector": {"matchExpressions": [
+            {"key": "/x", "operator": "Exists"}]}}]}},
+        "spec.service.allowFrom[0].podSelector.matchExpressions[0].key", "should match pattern",
+        id="allow-from-bad-expression-key",
+    ),
+    pytest.param(
+        {"service": {"allowFrom": []}}, "spec.service.allowFrom", "at least 1 item",
+        id="allow-from-empty-list",
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("patch", "path", "fragment"), INVALID)

@@ -82,6 +82,10 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The NetworkPolicy in front of each resource's Ray pods (networkPolicy.enabled).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The Service's one EndpointSlice, the operator's: the head pod's address, ready while routed.
 # delete: the slices the EndpointSlice and mirroring controllers left for a Service that an
 # earlier version gave a selector (neither removes them when the selector goes).

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -187,6 +188,88 @@ class ServiceType(StrEnum):
     LOAD_BALANCER = "LoadBalancer"
 
 
+#: A label value: at most 63 characters, alphanumerics with inner '-', '_' and '.'; may be empty.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: A label key: an optional DNS-subdomain prefix and '/', then a name as a label value's.
+LABEL_KEY_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_LABEL_KEY = re.compile(LABEL_KEY_PATTERN)
+LABEL_KEY_RULE = ("label keys must be a name of at most 63 characters (letters, digits, '-', '_', "
+                  "'.'), optionally after a DNS subdomain prefix and '/', e.g. team or "
+                  "example.com/team")  # fmt: skip
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
+
+
+class SelectorOperator(StrEnum):
+    """A label selector requirement's operator (metav1.LabelSelectorOperator)."""
+
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+class LabelSelectorRequirement(ApiModel):
+    """One requirement of a label selector (metav1.LabelSelectorRequirement)."""
+
+    key: str = Field(min_length=1, max_length=317, pattern=LABEL_KEY_PATTERN,
+                     description="The label key.")  # fmt: skip
+    operator: SelectorOperator = Field(description="In, NotIn, Exists or DoesNotExist.")
+    values: list[LabelValue] = Field(
+        default_factory=list, max_length=64,
+        description="Values for In and NotIn (at least one); empty for Exists and DoesNotExist.",
+    )  # fmt: skip
+
+
+class LabelSelector(ApiModel):
+    """A label selector (metav1.LabelSelector); an empty one selects everything."""
+
+    match_labels: dict[str, LabelValue] = Field(
+        default_factory=dict, max_length=64,
+        description="Labels that must all be present with these values.",
+    )  # fmt: skip
+    match_expressions: list[LabelSelectorRequirement] = Field(
+        default_factory=list, max_length=64, description="Requirements that must all hold."
+    )
+
+    @field_validator("match_labels")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        # A map's keys have no schema: the API server cannot check them, and a CEL regex over
+        # them is priced at the largest request and refused at CRD install. So Python alone:
+        # the operator reports such a spec as invalid, naming the field, and renders nothing.
+        bad = [k for k in labels if not _LABEL_KEY.fullmatch(k)]
+        if bad:
+            raise PydanticCustomError("label_key", "{keys}: " + LABEL_KEY_RULE, {"keys": bad})
+        return labels
+
+
+class TrafficSource(ApiModel):
+    """Pods that may reach the API port, as a NetworkPolicy peer: pods matching podSelector in
+    namespaces matching namespaceSelector (either alone: any pod of those namespaces, or the
+    matching pods of the resource's own namespace)."""
+
+    namespace_selector: LabelSelector | None = Field(
+        default=None, description="Namespaces, by their labels ({} for every namespace)."
+    )
+    pod_selector: LabelSelector | None = Field(
+        default=None, description="Pods, by their labels ({} for every pod)."
+    )
+
+
+class NetworkPolicySpec(ApiModel):
+    """The NetworkPolicy the operator renders in front of the Ray pods."""
+
+    enabled: JsonBool = Field(
+        default=True,
+        description="Render a NetworkPolicy that admits Ray's ports only from the cluster's "
+        "own pods (and the operator's and KubeRay's on the dashboard port), and the API port "
+        "from service.allowFrom. Turn off where the namespace's own policies govern the pods.",
+    )
+
+
 class ServiceSpec(ApiModel):
     """The Service exposing vLLM's OpenAI-compatible API server."""
 
@@ -199,6 +282,13 @@ class ServiceSpec(ApiModel):
     )
     annotations: dict[str, str] = Field(
         default_factory=dict, description="Annotations added to the Service."
+    )
+    allow_from: list[TrafficSource] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        description="Who may reach the API port, enforced by the resource's NetworkPolicy: "
+        "unset admits every source; set, only pods matching one of these entries.",
     )
 
 
@@ -364,6 +454,10 @@ class VLLMDataParallelSpec(ApiModel):
         default_factory=LaunchSpec, description="Launch deadline and stop drain of head jobs."
     )
     ray: RaySpec = Field(default_factory=RaySpec, description="The Ray cluster's settings.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        description="The NetworkPolicy that closes Ray's ports to all but the cluster itself.",
+    )
     suspend: JsonBool = Field(
         default=False,
         description="Stop the engines and release the GPU pods, keeping the resource. In a "

@@ -69,6 +69,11 @@ def endpoint_slice(instance: str) -> str:
     return service(instance)
 
 
+def network_policy(instance: str) -> str:
+    """The NetworkPolicy in front of the resource's Ray pods."""
+    return f"{instance}{constants.NETWORK_POLICY_SUFFIX}"
+
+
 def endpoint(instance: str, namespace: str, port: int) -> str:
     """In-cluster base URL of the OpenAI-compatible API, as a user types it.
 

@@ -10,7 +10,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.api.models import PackStrategy, Scheduler, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import (
+    LabelSelector,
+    PackStrategy,
+    Scheduler,
+    SelectorOperator,
+    VLLMDataParallelSpec,
+)
 from vllm_dp_operator.api.quantity import quantity_value
 
 
@@ -247,6 +253,46 @@ SCHEDULING_RULES: tuple[Rule, ...] = (
     ),
 )  # fmt: skip
 
+
+_SELECTORS = ("namespaceSelector", "podSelector")
+_WITH_VALUES = (SelectorOperator.IN, SelectorOperator.NOT_IN)
+
+
+def _selectors(s: VLLMDataParallelSpec) -> list[LabelSelector]:
+    peers = s.service.allow_from or []
+    return [sel for p in peers for sel in (p.namespace_selector, p.pod_selector) if sel]
+
+
+def _each_selector(cond: str) -> str:
+    """CEL: `cond` (over `{sel}`) holds for every selector of every allowFrom entry."""
+    per_peer = " && ".join(f"(!has(p.{f}) || {cond.format(sel=f'p.{f}')})" for f in _SELECTORS)
+    return f"!has(self.service.allowFrom) || self.service.allowFrom.all(p, {per_peer})"
+
+
+_ALLOW_FROM_RULES = (
+    Rule(
+        field="service.allowFrom",
+        cel="!has(self.service.allowFrom) || "
+        "self.service.allowFrom.all(p, has(p.namespaceSelector) || has(p.podSelector))",
+        message="each entry needs a namespaceSelector or a podSelector: an entry with neither "
+        "would admit every source",
+        holds=lambda s: all(p.namespace_selector or p.pod_selector
+                            for p in s.service.allow_from or []),
+    ),
+    Rule(
+        field="service.allowFrom",
+        cel=_each_selector(
+            "(!has({sel}.matchExpressions) || {sel}.matchExpressions.all(e, "
+            "(e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0)))"
+        ),
+        message="a matchExpressions entry takes values with In and NotIn (at least one), and "
+        "none with Exists and DoesNotExist",
+        holds=lambda s: all((e.operator in _WITH_VALUES) == bool(e.values)
+                            for sel in _selectors(s) for e in sel.match_expressions),
+    ),
+)
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         field="dataParallel.size",
@@ -363,6 +409,7 @@ RULES: tuple[Rule, ...] = (
         holds=lambda s: len({e.name for e in s.env}) == len(s.env),
     ),
     *SCHEDULING_RULES,
+    *_ALLOW_FROM_RULES,
 )
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ ENDPOINTSLICE = Kind("discovery.k8s.io", "v1", "endpointslices")
 #: Only deleted, once, when a Service of an earlier version loses its selector: the endpoints
 #: controller leaves its last Endpoints behind, which the mirroring controller would copy.
 ENDPOINTS = Kind("", "v1", "endpoints")
+NETWORKPOLICY = Kind("networking.k8s.io", "v1", "networkpolicies")
 
 
 class AlreadyExists(Exception):

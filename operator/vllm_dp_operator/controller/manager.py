@@ -2,7 +2,8 @@
 
     kopf on.event (VLLMDataParallel) ──▶ owner cache ──┐ new object, new generation
     reflectors (RayCluster, RayJob,  ──▶ child cache ──┤ any change of a child, by its
-                Service, EndpointSlice, Pod)           │ app.kubernetes.io/instance label
+                Service, EndpointSlice, Pod,           │ app.kubernetes.io/instance label
+                NetworkPolicy)                         │
                                                        ▼
     timers (probe cadence, backoff end, resync) ──▶ WorkQueue ──▶ K workers ──▶ reconcile()
                                                                    (reads the cache; writes
@@ -54,6 +55,7 @@ from vllm_dp_operator.controller.events import EventPoster
 from vllm_dp_operator.controller.informer import Reflector, WatchApi
 from vllm_dp_operator.controller.kube import (
     ENDPOINTSLICE,
+    NETWORKPOLICY,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -87,7 +89,7 @@ from vllm_dp_operator.reconcile.outcome import Event, Outcome, Resource
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
-CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, ENDPOINTSLICE, POD)
+CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, ENDPOINTSLICE, POD, NETWORKPOLICY)
 #: Longest a status patch or an Event waits for the reconciles to drain.
 QUIET_WAIT = 2.0
 

@@ -18,6 +18,7 @@ from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import controller_uid
 from vllm_dp_operator.controller.kube import (
+    NETWORKPOLICY,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -43,6 +44,7 @@ from vllm_dp_operator.reconcile.status import (
 )
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
+from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
 from vllm_dp_operator.render.raytoken import build_ray_token_secret
 from vllm_dp_operator.render.scheduling import kueue_queue
 
@@ -109,6 +111,26 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
         patch = {"metadata": {"annotations": meta.get("annotations") or {}},
                  "spec": {**want, "selector": None}}  # fmt: skip
         await kube.patch(SERVICE, meta["namespace"], meta["name"], patch)
+
+
+async def _ensure_network_policy(
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, cfg: Config, owner: dict[str, Any]
+) -> None:
+    """Create or repair the policy in front of the Ray pods; delete ours when turned off."""
+    name = names.network_policy(res.name)
+    current = await kube.get(NETWORKPOLICY, res.namespace, name)
+    if current is not None and not _ours([current], res.uid):
+        return  # a deleted namesake's, until the garbage collector takes it
+    if not wanted(spec, cfg.render.peers):
+        if current is not None and not current["metadata"].get("deletionTimestamp"):
+            await kube.delete(NETWORKPOLICY, res.namespace, name)
+        return
+    desired = build_network_policy(res.name, res.namespace, spec, cfg.render.peers, owner)
+    if current is None:
+        await _create(kube, NETWORKPOLICY, desired)
+    elif current.get("spec") != desired["spec"]:
+        # A merge patch replaces each list whole, so an edited rule goes back as rendered.
+        await kube.patch(NETWORKPOLICY, res.namespace, name, {"spec": desired["spec"]})
 
 
 async def _ensure_cluster(
@@ -245,6 +267,8 @@ async def reconcile(
                      res.uid)  # fmt: skip
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
+    # The policy goes first: the Ray pods are never up without it.
+    await _ensure_network_policy(kube, res, spec, cfg, owner)
     await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
     token_secret = None
     if spec.ray.auth == RayAuth.TOKEN:

@@ -19,6 +19,7 @@ from vllm_dp_operator.render import (
     build_raycluster,
     build_service,
 )
+from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
 
 DEFAULT_NAMESPACE = "default"
 # The first head job of a resource; status.launchAttempts counts jobs created, from 0.
@@ -61,13 +62,18 @@ def parse_resource(doc: Mapping[str, Any]) -> Resource:
 def render_resource(
     resource: Resource, options: RenderOptions, owner: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """RayCluster, Service, its EndpointSlice (no endpoint yet: the head pod's address is known
-    only once it runs) and the first head job (none while suspended), in creation order."""
+    """NetworkPolicy (unless turned off), RayCluster, Service, its EndpointSlice (no endpoint
+    yet: the head pod's address is known only once it runs) and the first head job (none while
+    suspended), in creation order."""
     cluster = build_raycluster(
         resource.name, resource.namespace, resource.spec, resource.plan, options, owner
     )
     cluster_name = cluster["metadata"]["name"]
-    out = [
+    out = []
+    if wanted(resource.spec, options.peers):
+        out.append(build_network_policy(resource.name, resource.namespace, resource.spec,
+                                        options.peers, owner))  # fmt: skip
+    out += [
         cluster,
         build_service(resource.name, resource.namespace, resource.spec, owner),
         build_endpoint_slice(resource.name, resource.namespace, resource.spec, None, False, owner),

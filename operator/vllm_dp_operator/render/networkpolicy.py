@@ -1,0 +1,123 @@
+"""Render the NetworkPolicy that closes a resource's Ray pods to all but the cluster itself.
+
+Ray's ports (GCS, dashboard and job API, client, object and node managers, workers) carry no
+authentication of their own: whoever reaches the dashboard runs code on the GPU pods. The
+policy selects every Ray pod of the resource (head and workers, of every cluster shape) and
+admits, for ingress:
+
+- every port from those same pods (Ray picks its worker ports at random);
+- the dashboard and the API port from the operator's pods (the Ray job API, /health and
+  /metrics), and from the operator's address blocks when it runs outside the pod network;
+- the dashboard from KubeRay's operator pods (HTTP-mode RayJobs are submitted and polled there);
+- the API port from everywhere, or from `spec.service.allowFrom` when that is set.
+
+Egress is left alone: the engines download models and reach whatever the user points them at.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dp_operator import constants
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.models import LabelSelector, TrafficSource, VLLMDataParallelSpec
+from vllm_dp_operator.config import Labels, PolicyPeers
+from vllm_dp_operator.render.meta import metadata
+
+#: The namespace label the API server sets on every namespace (Kubernetes >= 1.22).
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def ray_pod_selector(instance: str) -> dict[str, Any]:
+    """The Ray pods of one resource, whatever their cluster's shape (the pod template's
+    labels): a reshape's new pods are covered before they exist, the old ones until gone."""
+    labels = names.instance_labels(instance, constants.COMPONENT_ENGINE)
+    # KubeRay may set app.kubernetes.io/name on the pods it makes (to `kuberay`): not relied on.
+    labels.pop(constants.LABEL_NAME)
+    return {"matchLabels": labels}
+
+
+def _ports(*numbers: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": n} for n in dict.fromkeys(numbers)]
+
+
+def _in_namespace(namespace: str, labels: Labels) -> dict[str, Any]:
+    return {
+        "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}},
+        "podSelector": {"matchLabels": dict(labels)},
+    }
+
+
+def _values(values: list[str]) -> dict[str, Any]:
+    return {"values": list(values)} if values else {}
+
+
+def _selector(sel: LabelSelector) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if sel.match_labels:
+        out["matchLabels"] = dict(sel.match_labels)
+    if sel.match_expressions:
+        out["matchExpressions"] = [
+            {"key": e.key, "operator": str(e.operator), **_values(e.values)}
+            for e in sel.match_expressions
+        ]
+    return out
+
+
+def _peer(source: TrafficSource) -> dict[str, Any]:
+    peer: dict[str, Any] = {}
+    if source.namespace_selector is not None:
+        peer["namespaceSelector"] = _selector(source.namespace_selector)
+    if source.pod_selector is not None:
+        peer["podSelector"] = _selector(source.pod_selector)
+    return peer
+
+
+def operator_peers(peers: PolicyPeers) -> list[dict[str, Any]]:
+    """The operator's pods (by namespace and labels) and its address blocks."""
+    out: list[dict[str, Any]] = []
+    if peers.operator_namespace:
+        out.append(_in_namespace(peers.operator_namespace, peers.operator_pod_labels))
+    out += [{"ipBlock": {"cidr": cidr}} for cidr in peers.operator_cidrs]
+    return out
+
+
+def kuberay_peers(peers: PolicyPeers) -> list[dict[str, Any]]:
+    """KubeRay's operator pods: in its namespace, else the operator's; none if neither is known."""
+    namespace = peers.kuberay_namespace or peers.operator_namespace
+    return [_in_namespace(namespace, peers.kuberay_pod_labels)] if namespace else []
+
+
+def build_network_policy(
+    instance: str,
+    namespace: str,
+    spec: VLLMDataParallelSpec,
+    peers: PolicyPeers,
+    owner: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The NetworkPolicy in front of one resource's Ray pods (see the module docstring)."""
+    own_pods = ray_pod_selector(instance)
+    api_port = spec.service.port
+    dashboard = constants.RAY_DASHBOARD_PORT
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": own_pods}]}]
+    if operator := operator_peers(peers):
+        ingress.append({"from": operator, "ports": _ports(dashboard, api_port)})
+    if kuberay := kuberay_peers(peers):
+        ingress.append({"from": kuberay, "ports": _ports(dashboard)})
+    api_rule: dict[str, Any] = {"ports": _ports(api_port)}
+    if spec.service.allow_from is not None:
+        # A rule without `from` admits every source; allowFrom is never empty (the schema).
+        api_rule = {"from": [_peer(s) for s in spec.service.allow_from], **api_rule}
+    ingress.append(api_rule)
+    labels = names.instance_labels(instance, constants.COMPONENT_NETWORK_POLICY)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(names.network_policy(instance), namespace, labels, owner),
+        "spec": {"podSelector": own_pods, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def wanted(spec: VLLMDataParallelSpec, peers: PolicyPeers) -> bool:
+    """Whether the resource gets a NetworkPolicy: on unless the operator or the spec says off."""
+    return peers.enabled and spec.network_policy.enabled

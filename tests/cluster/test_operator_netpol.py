@@ -1,0 +1,181 @@
+"""The NetworkPolicy in front of the Ray pods, enforced for real (issue 19, item 1).
+
+The bed's enforcer is kube-router's firewall controller (tests/testbed/netpolicy.py), acting
+for node-1's pods, so the resource's one Ray pod runs there (DP=2, both ranks on the head; the
+engine double). Clients are pods of the engine-double image (it has python3) in other
+namespaces, each trying a TCP connect to the head pod: Ray's ports 6379 (GCS), 8265
+(dashboard and job API) and 10001 (client) must not connect, the API port must, until
+`spec.service.allowFrom` narrows it. The operator, in its own pod, keeps reaching the
+dashboard and /health: the resource serves, and an engine-only change stops the old Ray job
+and confirms it. Turning the policy off opens the Ray ports again: the closed ports were the
+policy's doing, not a port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .bed import RunningCluster
+from .vdp import API_PORT, DASHBOARD_PORT, Vdp, import_engine, own_namespace
+
+pytestmark = pytest.mark.cluster
+
+IMAGE = "vllm-dp-engine-double"
+NAME = "netpol"
+NS = "t-netpol"
+CLIENTS = "t-netpol-clients"  # labelled team=clients: allowFrom's namespace
+OTHERS = "t-netpol-others"  # not labelled
+RAY_PORTS = (6379, DASHBOARD_PORT, 10001)
+ENFORCED_NODE = "node-1"
+# One TCP connect from inside a client pod: open, refused (kube-router REJECTs) or timeout.
+_CONNECT = ("import socket,sys\ns=socket.socket();s.settimeout(3)\n"
+            "try:\n s.connect((sys.argv[1],int(sys.argv[2])));print('open')\n"
+            "except socket.timeout:\n print('timeout')\n"
+            "except OSError as e:\n print('refused' if e.errno==111 else 'error %d'%e.errno)\n")
+ALLOW = [{"namespaceSelector": {"matchLabels": {"team": "clients"}},
+          "podSelector": {"matchLabels": {"role": "x"}}}]  # fmt: skip
+
+
+def resource(extra_args: list[str], **service: Any) -> dict[str, Any]:
+    return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+            "metadata": {"name": NAME, "namespace": NS},
+            "spec": {"model": "cluster/double-model", "servedModelName": "double",
+                     "image": f"{IMAGE}:dev", "dataParallel": {"size": 2, "ranksPerNode": 2},
+                     "apiServerCount": 1, "shmSize": "64Mi", "engineArgs": extra_args,
+                     # Where the bed enforces NetworkPolicy (one enforcer per network namespace).
+                     "nodeSelector": {"kubernetes.io/hostname": ENFORCED_NODE},
+                     "service": service,
+                     "launch": {"timeoutSeconds": 300, "drainSeconds": 3}}}  # fmt: skip
+
+
+def client_pod(name: str, ns: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "labels": labels},
+            "spec": {"terminationGracePeriodSeconds": 0,
+                     "containers": [{"name": "c", "image": f"{IMAGE}:dev",
+                                     "imagePullPolicy": "Never",
+                                     "command": ["python3", "-c",
+                                                 "import time; time.sleep(86400)"]}]}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vdp(operator: RunningCluster) -> Iterator[Vdp]:
+    import_engine(operator, IMAGE)
+    for ns in (CLIENTS, OTHERS):  # an earlier run's clients, before the nodes must be empty
+        operator.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true",
+                         timeout=180)  # fmt: skip
+    own_namespace(operator, NS)
+    for ns, labels in ((CLIENTS, {"team": "clients"}), (OTHERS, {})):
+        operator.kubectl("create", "namespace", ns)
+        if labels:
+            operator.kubectl("label", "namespace", ns, *(f"{k}={v}" for k, v in labels.items()))
+        operator.wait_until("the default ServiceAccount", lambda ns=ns: operator.kubectl(
+            "get", "sa", "default", "-n", ns, check=False).returncode == 0, 30)  # fmt: skip
+    for name, ns, labels in (("inside", CLIENTS, {"role": "x"}), ("outside", CLIENTS, {}),
+                             ("stranger", OTHERS, {"role": "x"})):  # fmt: skip
+        operator.apply(client_pod(name, ns, labels))
+    operator.apply(resource(["--max-num-seqs=4"]))
+    yield Vdp(operator, NS, NAME)
+    for ns in (NS, CLIENTS, OTHERS):
+        operator.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def connect(vdp: Vdp, pod: str, ip: str, port: int) -> str:
+    """What a TCP connect from client `pod` to ip:port does."""
+    ns = OTHERS if pod == "stranger" else CLIENTS
+    vdp.wait(f"client pod {pod} running", lambda: vdp.cluster.kubectl(
+        "get", "pod", pod, "-n", ns, "-o", "jsonpath={.status.phase}",
+        check=False).stdout == "Running", 120)  # fmt: skip
+    return vdp.cluster.exec(ns, pod, "python3", "-c", _CONNECT, ip, str(port)).stdout.strip()
+
+
+def reach(vdp: Vdp, pod: str, ip: str, ports: tuple[int, ...]) -> dict[int, str]:
+    return {p: connect(vdp, pod, ip, p) for p in ports}
+
+
+def settled(vdp: Vdp, pod: str, ip: str, ports: tuple[int, ...], want_open: bool,
+            timeout: float = 60) -> dict[int, str]:  # fmt: skip
+    """The outcomes once every port is as wanted (the enforcer applies a change within
+    seconds); past the deadline, fail with what it was and why."""
+    def done() -> dict[int, str] | None:
+        got = reach(vdp, pod, ip, ports)
+        return got if all((v == "open") == want_open for v in got.values()) else None
+
+    return vdp.wait(f"{pod} -> {ip} {ports} {'open' if want_open else 'closed'}", done,
+                    timeout, interval=3)  # type: ignore[no-any-return]
+
+
+def head_ip(vdp: Vdp) -> str:
+    head = vdp.pods()["head"]
+    assert head["spec"]["nodeName"] == ENFORCED_NODE
+    return str(head["status"]["podIP"])
+
+
+def test_ray_ports_closed_to_another_namespace_api_port_open(vdp: Vdp) -> None:
+    st = vdp.wait_phase("Serving", 300)  # the operator's /health probe passed the policy
+    policy = vdp.cluster.kubectl_json("get", "networkpolicy", f"{NAME}-ray", "-n", NS)
+    assert policy["metadata"]["ownerReferences"][0]["name"] == NAME
+    ip = head_ip(vdp)
+    closed = settled(vdp, "outside", ip, RAY_PORTS, want_open=False)
+    assert set(closed.values()) <= {"refused", "timeout"}, closed
+    sys.stderr.write(f"[netpol] from {CLIENTS}/outside to the head {ip}: {closed}\n")
+    assert connect(vdp, "outside", ip, API_PORT) == "open"
+    assert connect(vdp, "stranger", ip, API_PORT) == "open"
+    # Through KubeRay's head Service too: the ClusterIP leads to the same closed port.
+    svc = vdp.cluster.kubectl_json("get", "svc", f"{st['rayCluster']}-head-svc", "-n", NS)
+    assert connect(vdp, "outside", svc["spec"]["clusterIP"], DASHBOARD_PORT) != "open"
+
+
+def test_operator_still_stops_and_confirms_through_the_dashboard(vdp: Vdp) -> None:
+    st = vdp.wait_phase("Serving", 300)
+    old_job = st["headJob"]
+    old_sid = vdp.rayjob(old_job)["status"]["jobId"]  # type: ignore[index]
+    vdp.cluster.apply(resource(["--max-num-seqs=6"]))
+    new = vdp.wait("a new head job", lambda: (s := vdp.status()).get("headJob") != old_job
+                   and s.get("headJob"), 120)  # fmt: skip
+    vdp.wait_phase("Serving", 180, job=new)
+    # The operator created the next job only once the dashboard said the old one ended
+    # (from the host, the node's own traffic, which every NetworkPolicy admits).
+    assert vdp.dashboard_jobs()[old_sid]["status"] == "STOPPED"
+    reasons = vdp.cluster.kubectl("get", "events", "-n", NS, "-o",
+                                  "jsonpath={.items[*].reason}").stdout.split()  # fmt: skip
+    assert "HeadJobStopUnconfirmed" not in reasons
+
+
+def test_allow_from_admits_only_the_selected_pods(vdp: Vdp) -> None:
+    vdp.wait_phase("Serving", 300)
+    vdp.cluster.apply(resource(["--max-num-seqs=6"], allowFrom=ALLOW))
+    vdp.wait("the policy rendered from allowFrom", lambda: json.loads(vdp.cluster.kubectl(
+        "get", "networkpolicy", f"{NAME}-ray", "-n", NS, "-o", "json").stdout)["spec"][
+        "ingress"][-1].get("from") is not None, 60)  # fmt: skip
+    ip = head_ip(vdp)
+    settled(vdp, "outside", ip, (API_PORT,), want_open=False)
+    settled(vdp, "stranger", ip, (API_PORT,), want_open=False)
+    assert connect(vdp, "inside", ip, API_PORT) == "open"
+    ray = reach(vdp, "inside", ip, RAY_PORTS)  # allowFrom opens the API port only
+    assert "open" not in ray.values(), ray
+    assert vdp.status()["phase"] == "Serving"  # the operator is no allowFrom source: admitted
+
+
+def test_turning_the_policy_off_opens_the_ray_ports(vdp: Vdp) -> None:
+    vdp.wait_phase("Serving", 300)
+    body = resource(["--max-num-seqs=6"])
+    body["spec"]["networkPolicy"] = {"enabled": False}
+    vdp.cluster.apply(body)
+    vdp.wait("the policy deleted", lambda: vdp.cluster.kubectl(
+        "get", "networkpolicy", f"{NAME}-ray", "-n", NS, check=False).returncode != 0, 60)
+    settled(vdp, "outside", head_ip(vdp), RAY_PORTS, want_open=True)
+    vdp.cluster.apply(resource(["--max-num-seqs=6"]))  # on again: closed again
+    settled(vdp, "outside", head_ip(vdp), RAY_PORTS, want_open=False)
+
+
+def test_delete_removes_the_policy_with_the_rest(vdp: Vdp) -> None:
+    vdp.cluster.kubectl("delete", "vdp", NAME, "-n", NS, "--wait=true", timeout=120)
+    vdp.wait("every child gone", lambda: not vdp.cluster.kubectl(
+        "get", "rayclusters,rayjobs,services,networkpolicies", "-n", NS, "-o", "name",
+        check=False).stdout.strip(), 180)  # fmt: skip

@@ -1,0 +1,196 @@
+"""The NetworkPolicy in front of the Ray pods: its rules, allowFrom, and the reconcile that keeps
+it (created before the RayCluster, repaired after an edit or a delete, gone when turned off)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.api.validation import SpecError, validate
+from vllm_dp_operator.config import Config, PolicyPeers, RenderOptions, parse_labels
+from vllm_dp_operator.controller.kube import NETWORKPOLICY
+from vllm_dp_operator.render.manifests import parse_resource, render_resource
+from vllm_dp_operator.render.meta import owner_reference
+from vllm_dp_operator.render.networkpolicy import build_network_policy
+from world import World, spec
+
+OWNER = owner_reference("demo", "uid-demo")
+PEERS = PolicyPeers(
+    operator_namespace="vdp-system",
+    operator_pod_labels=(("app.kubernetes.io/instance", "vdp"),
+                         ("app.kubernetes.io/name", "vllm-dp-operator")),
+    kuberay_namespace="kuberay",
+)
+OWN_PODS = {"matchLabels": {c.LABEL_INSTANCE: "demo", c.LABEL_COMPONENT: c.COMPONENT_ENGINE,
+                            c.LABEL_MANAGED_BY: c.MANAGER}}  # fmt: skip
+
+
+def policy(peers: PolicyPeers = PEERS, **over: Any) -> dict[str, Any]:
+    return build_network_policy("demo", "ns", validate("demo", spec(**over)), peers, OWNER)
+
+
+def rule_ports(rule: dict[str, Any]) -> list[int] | None:
+    return [p["port"] for p in rule["ports"]] if "ports" in rule else None
+
+
+def test_selects_every_ray_pod_of_the_resource_and_only_ingress() -> None:
+    np = policy()
+    assert np["apiVersion"] == "networking.k8s.io/v1" and np["kind"] == "NetworkPolicy"
+    assert np["metadata"]["name"] == "demo-ray" and np["metadata"]["namespace"] == "ns"
+    assert np["metadata"]["ownerReferences"] == [OWNER]
+    assert np["metadata"]["labels"][c.LABEL_MANAGED_BY] == c.MANAGER  # cached by the reflector
+    # Head and workers of any shape: no ray.io/cluster (its name carries the shape hash).
+    assert np["spec"]["podSelector"] == OWN_PODS
+    assert np["spec"]["policyTypes"] == ["Ingress"]  # egress (model downloads) untouched
+
+
+def test_ray_ports_admit_the_cluster_the_operator_and_kuberay_only() -> None:
+    own, operator, kuberay, api = policy()["spec"]["ingress"]
+    # Every port from the cluster's own pods: Ray picks worker ports at random.
+    assert own == {"from": [{"podSelector": OWN_PODS}]}
+    assert operator["from"] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "vdp-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/instance": "vdp",
+                                        "app.kubernetes.io/name": "vllm-dp-operator"}},
+    }]  # fmt: skip
+    assert rule_ports(operator) == [c.RAY_DASHBOARD_PORT, c.DEFAULT_SERVING_PORT]
+    assert kuberay["from"] == [{
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+    }]  # fmt: skip
+    assert rule_ports(kuberay) == [c.RAY_DASHBOARD_PORT]
+    # The API port from anywhere by default; no rule names GCS or the client port to others.
+    assert api == {"ports": [{"protocol": "TCP", "port": c.DEFAULT_SERVING_PORT}]}
+    for rule in (operator, kuberay, api):
+        assert not {c.RAY_GCS_PORT, c.RAY_CLIENT_PORT} & set(rule_ports(rule) or [])
+
+
+def test_api_port_follows_spec_service_port() -> None:
+    *_, operator, _kuberay, api = policy(service={"port": 9000})["spec"]["ingress"]
+    assert rule_ports(api) == [9000]
+    assert rule_ports(operator) == [c.RAY_DASHBOARD_PORT, 9000]
+
+
+def test_allow_from_restricts_the_api_port() -> None:
+    allow = [{"namespaceSelector": {"matchLabels": {"team": "y"}},
+              "podSelector": {"matchLabels": {"role": "x"}}},
+             {"podSelector": {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}}]
+    api = policy(service={"allowFrom": allow})["spec"]["ingress"][-1]
+    assert api["from"] == [
+        {"namespaceSelector": {"matchLabels": {"team": "y"}},
+         "podSelector": {"matchLabels": {"role": "x"}}},
+        {"podSelector": {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}},
+    ]  # fmt: skip
+    assert rule_ports(api) == [c.DEFAULT_SERVING_PORT]
+
+
+def test_operator_outside_the_cluster_is_admitted_by_address_block() -> None:
+    peers = PolicyPeers(operator_cidrs=("10.0.0.10/32",))
+    rules = policy(peers)["spec"]["ingress"]
+    assert rules[1] == {"from": [{"ipBlock": {"cidr": "10.0.0.10/32"}}],
+                        "ports": [{"protocol": "TCP", "port": c.RAY_DASHBOARD_PORT},
+                                  {"protocol": "TCP", "port": c.DEFAULT_SERVING_PORT}]}  # fmt: skip
+    assert len(rules) == 3  # no operator or KubeRay namespace known: no pod peer for them
+
+
+def test_kuberay_defaults_to_the_operator_namespace() -> None:
+    peers = dataclasses.replace(PEERS, kuberay_namespace="")
+    kuberay = policy(peers)["spec"]["ingress"][2]
+    assert kuberay["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "vdp-system"}
+
+
+def test_offline_render_puts_the_policy_first_unless_turned_off() -> None:
+    doc = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+           "metadata": {"name": "demo", "namespace": "ns"}, "spec": spec()}  # fmt: skip
+    kinds = [d["kind"] for d in render_resource(parse_resource(doc), RenderOptions())]
+    assert kinds[:2] == ["NetworkPolicy", "RayCluster"]
+    doc["spec"] = spec(networkPolicy={"enabled": False})
+    assert "NetworkPolicy" not in [d["kind"] for d in
+                                   render_resource(parse_resource(doc), RenderOptions())]
+    off = RenderOptions(peers=PolicyPeers(enabled=False))
+    doc["spec"] = spec()
+    assert "NetworkPolicy" not in [d["kind"] for d in render_resource(parse_resource(doc), off)]
+
+
+@pytest.mark.parametrize(("allow", "path"), [
+    ([], "spec.service.allowFrom"),
+    ([{"podSelector": {"matchLabels": {"a": "not a value"}}}],
+     "spec.service.allowFrom[0].podSelector.matchLabels.a"),
+    ([{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Equals"}]}}],
+     "spec.service.allowFrom[0].podSelector.matchExpressions[0].operator"),
+    ([{"ipBlock": {"cidr": "0.0.0.0/0"}}], "spec.service.allowFrom[0].ipBlock"),
+])  # fmt: skip
+def test_malformed_allow_from_is_refused_by_the_schema(allow: list[Any], path: str) -> None:
+    with pytest.raises(SpecError) as info:
+        validate("demo", spec(service={"allowFrom": allow}))
+    assert path in [e.path for e in info.value.errors], info.value.errors
+
+
+def test_network_policy_enabled_is_a_strict_boolean() -> None:
+    with pytest.raises(SpecError, match=r"spec\.networkPolicy\.enabled"):
+        validate("demo", spec(networkPolicy={"enabled": "false"}))
+
+
+def test_peers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "vdp-system")
+    monkeypatch.setenv("VLLMDP_OPERATOR_POD_LABELS", "b=2,a=1")
+    monkeypatch.setenv("VLLMDP_OPERATOR_CIDRS", "10.0.0.1/32, 10.0.0.2/32")
+    monkeypatch.setenv("VLLMDP_NETWORK_POLICY", "false")
+    peers = Config.from_env().render.peers
+    assert peers.operator_namespace == "vdp-system" and not peers.enabled
+    assert peers.operator_pod_labels == (("a", "1"), ("b", "2"))
+    assert peers.operator_cidrs == ("10.0.0.1/32", "10.0.0.2/32")
+    assert peers.kuberay_pod_labels == (("app.kubernetes.io/name", "kuberay-operator"),)
+    with pytest.raises(ValueError, match="VLLMDP_X"):
+        parse_labels("VLLMDP_X", "novalue")
+
+
+# ---------------------------------------------------------------- the reconcile keeps it
+
+
+def _policies(w: World) -> list[dict[str, Any]]:
+    return w.kube.named(NETWORKPOLICY)
+
+
+async def test_reconcile_creates_the_policy_before_the_cluster() -> None:
+    w = World()
+    await w.step()
+    (np,) = _policies(w)
+    assert np["metadata"]["name"] == "demo-ray"
+    assert np["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+    creates = [kind for verb, kind, _ in w.kube.writes if verb == "create"]
+    assert creates.index("networkpolicies") < creates.index("rayclusters")
+
+
+async def test_an_edited_policy_is_put_back_and_a_deleted_one_recreated() -> None:
+    w = World()
+    await w.step()
+    key = (NETWORKPOLICY, "default", "demo-ray")
+    w.kube.objects[key]["spec"]["ingress"] = [{}]  # someone opens every port
+    await w.step()
+    assert w.kube.objects[key]["spec"]["ingress"][0] == {"from": [{"podSelector": OWN_PODS}]}
+    del w.kube.objects[key]
+    await w.step()
+    assert key in w.kube.objects
+    writes = len(w.kube.writes)
+    await w.step()
+    assert len(w.kube.writes) == writes  # in line: no write
+
+
+async def test_turning_it_off_deletes_ours_and_leaves_a_namesakes_alone() -> None:
+    w = World()
+    await w.step()
+    w.update(spec(networkPolicy={"enabled": False}))
+    await w.step()
+    assert _policies(w) == []
+    # Another uid's policy of that name (a deleted namesake's) is neither changed nor deleted.
+    w.update(spec())
+    foreign = {"metadata": {"name": "demo-ray", "namespace": "default",
+                            "ownerReferences": [{**OWNER, "uid": "uid-old"}]},
+               "spec": {"podSelector": {}}}  # fmt: skip
+    w.kube.objects[(NETWORKPOLICY, "default", "demo-ray")] = foreign
+    await w.step()
+    assert _policies(w) == [foreign]
