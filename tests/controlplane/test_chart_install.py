@@ -7,6 +7,7 @@ what is checked is what the API server admits and stores. The kind tier runs the
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -196,6 +197,11 @@ def test_helm_install_then_example_reaches_the_integration_state(
     container = dep["spec"]["template"]["spec"]["containers"][0]
     token = testbed.kubectl("create", "token", full, "-n", ns).stdout.strip()
     kubeconfig = chartlib.sa_kubeconfig(tmp_path / "sa.kubeconfig", testbed.kubeconfig, token)
+    # The Ray auth key the chart made, where the pod would have it mounted (its volume).
+    secret = _get(testbed, "secret", f"{full}-ray-auth-key", "-n", ns)
+    assert secret is not None and secret["data"]["key"], "the chart made no Ray auth key"
+    key_file = tmp_path / "ray-auth-key"
+    key_file.write_bytes(base64.b64decode(secret["data"]["key"]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         ready_port = s.getsockname()[1]
@@ -204,7 +210,8 @@ def test_helm_install_then_example_reaches_the_integration_state(
            "VLLMDP_HEALTH_PROBE": probe_mode(testbed.env()),
            # What the downward API gives the pod: the Lease is in the release namespace.
            "POD_NAME": f"{full}-test", "POD_NAMESPACE": ns,
-           "VLLMDP_READINESS_HOST": "127.0.0.1", "VLLMDP_READINESS_PORT": str(ready_port)}
+           "VLLMDP_READINESS_HOST": "127.0.0.1", "VLLMDP_READINESS_PORT": str(ready_port),
+           "VLLMDP_RAY_AUTH_KEY_FILE": str(key_file)}
     # Everything as the Deployment says, but the liveness and readiness ports, which a test
     # must not bind as they are.
     args = [a for a in container["args"] if not a.startswith("--liveness")]
