@@ -2,8 +2,8 @@
 
 Both must accept and reject exactly the same manifests; every rejection names a field; Python
 raises nothing but SpecError; for every accepted one, build_plan and the renderers succeed and
-the rendered RayCluster, RayJob and Service pass the API server's server-side dry run (KubeRay's
-CRD schemas, Service validation, names and label values).
+the rendered RayCluster, RayJob, Service, EndpointSlice and NetworkPolicy pass the API server's
+server-side dry run (KubeRay's CRD schemas, Service validation, names and label values).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ COLLECTIONS = {
     "RayJob": "/apis/ray.io/v1/namespaces/{ns}/rayjobs",
     "Service": "/api/v1/namespaces/{ns}/services",
     "EndpointSlice": "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
 }
 FIELD = re.compile(r"\b(spec|metadata)(\.[A-Za-z]|\[)")
 
