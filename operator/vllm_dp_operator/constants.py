@@ -90,10 +90,10 @@ LABEL_SLICE_MANAGED_BY: Final = "endpointslice.kubernetes.io/managed-by"
 # A label value (no slash), in the EndpointSlice controller's own form (`<controller>.<domain>`).
 SLICE_MANAGER: Final = f"vllm-dp-operator.{GROUP}"
 # Kueue: the LocalQueue and WorkloadPriorityClass of a job, and the uid of a Workload's job.
-LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
-LABEL_KUEUE_PRIORITY: Final = "kueue.x-k8s.io/priority-class"
-LABEL_KUEUE_JOB_UID: Final = "kueue.x-k8s.io/job-uid"
 KUEUE_GROUP: Final = "kueue.x-k8s.io"
+LABEL_KUEUE_QUEUE: Final = f"{KUEUE_GROUP}/queue-name"
+LABEL_KUEUE_PRIORITY: Final = f"{KUEUE_GROUP}/priority-class"
+LABEL_KUEUE_JOB_UID: Final = f"{KUEUE_GROUP}/job-uid"
 KUEUE_VERSION: Final = "v1beta2"
 # Annotations on a head RayJob: the head pod it was launched on, and how its stop went.
 ANNOTATION_HEAD_POD_UID: Final = f"{GROUP}/head-pod-uid"

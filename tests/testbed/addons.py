@@ -16,26 +16,18 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from common import free_port, http_get, log
+from common import free_port, http_get, log, user_cluster_role
 from controlplane import ControlPlane
 from hostnet import DNS_IP, POD_CIDR, HostRecord
 from procs import Launcher
 
 # Least privilege for CoreDNS's kubernetes plugin (as upstream's system:coredns role).
-COREDNS_RBAC = [
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-     "metadata": {"name": "vllmdp:testbed:coredns"},
-     "rules": [{"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"],
-                "verbs": ["list", "watch"]},
-               {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                "verbs": ["list", "watch"]}]},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-     "metadata": {"name": "vllmdp:testbed:coredns"},
-     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                 "name": "vllmdp:testbed:coredns"},
-     "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                   "name": "vllmdp:testbed:coredns"}]},
-]  # fmt: skip
+COREDNS_RBAC = user_cluster_role("vllmdp:testbed:coredns", [
+    {"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"],
+     "verbs": ["list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+     "verbs": ["list", "watch"]},
+])  # fmt: skip
 COREDNS_USER = ("vllmdp:testbed:coredns", "vllmdp:testbed")
 # kube-proxy's identity: the bootstrap RBAC binds system:node-proxier to this user.
 KUBE_PROXY_USER = ("system:kube-proxy", "system:node-proxies")

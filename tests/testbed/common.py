@@ -43,6 +43,18 @@ def cache_root() -> Path:
     return Path(base) / "testbed"
 
 
+def user_cluster_role(user: str, rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ClusterRole named after a bed component's user, with `rules`, bound to that user."""
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": user},
+         "rules": rules},
+        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": user},
+         "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": user},
+         "subjects": [{"apiGroup": rbac, "kind": "User", "name": user}]},
+    ]  # fmt: skip
+
+
 def log(msg: str) -> None:
     print(f"[testbed] {msg}", flush=True)
 

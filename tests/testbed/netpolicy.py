@@ -31,7 +31,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from common import free_port, http_get, log
+from common import free_port, http_get, log, user_cluster_role
 from controlplane import ControlPlane
 from hostnet import SERVICE_CIDR, run
 from procs import Launcher
@@ -44,23 +44,14 @@ USER = ("vllmdp:testbed:netpol", "vllmdp:testbed")
 IPSET_PREFIXES = ("KUBE-SRC-", "KUBE-DST-")
 # Read-only, what its informers list and watch (pods, namespaces, policies; nodes for its own
 # address; services and endpoints, which its shared informer factory starts too).
-RBAC = [
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-     "metadata": {"name": "vllmdp:testbed:netpol"},
-     "rules": [{"apiGroups": [""],
-                "resources": ["pods", "namespaces", "nodes", "services", "endpoints"],
-                "verbs": ["get", "list", "watch"]},
-               {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
-                "verbs": ["get", "list", "watch"]},
-               {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                "verbs": ["get", "list", "watch"]}]},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-     "metadata": {"name": "vllmdp:testbed:netpol"},
-     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                 "name": "vllmdp:testbed:netpol"},
-     "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                   "name": "vllmdp:testbed:netpol"}]},
-]  # fmt: skip
+RBAC = user_cluster_role(USER[0], [
+    {"apiGroups": [""], "resources": ["pods", "namespaces", "nodes", "services", "endpoints"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+     "verbs": ["get", "list", "watch"]},
+])  # fmt: skip
 
 
 def nft_queue_works() -> bool:
