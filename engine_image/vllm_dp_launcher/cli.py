@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_dp_launcher import health, raycluster, stages
+from vllm_dp_launcher import health, raycluster, report, stages
 from vllm_dp_launcher.cluster import layout_problems, wait_for_cluster
 from vllm_dp_launcher.command import (
     ADDRESS_PLACEHOLDER,
@@ -249,6 +249,9 @@ def setup_logging() -> Callable[[], None]:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+    extra = report.report_handler(os.environ, STAGE_FORMAT)
+    if extra is not None:
+        stages.log.addHandler(extra)
 
     def restore() -> None:
         for logger, handlers, level, propagate in saved:

@@ -187,7 +187,7 @@ def wait_for_cluster(
     timeout: float,
     progress_interval: float,
     find_holders: Callable[[], HolderReport] = no_holders,
-    poll_interval: float = 1.0,
+    poll_interval: float = 0.2,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> list[GpuNode]:

@@ -46,7 +46,7 @@ def answers(url: str, timeout: float = 2.0) -> bool:
 def watch(
     url: str,
     alive: Callable[[], bool],
-    interval: float = 2.0,
+    interval: float = 0.25,
     probe: Callable[[str], bool] = answers,
 ) -> threading.Thread:
     """Start a thread that enters the ``serving`` stage once ``url`` answers, while ``alive()``."""

@@ -103,7 +103,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     api = GatedApi(kube, gate)
     controller = Controller(api, CONFIG, probe, GatedRayJobs(DashboardJobs(transport), gate),
                             namespaces=CONFIG.watch_namespaces,
-                            leading=elector is None)  # fmt: skip
+                            leading=elector is None, logs=kube.follow_log)  # fmt: skip
     memo.kube, memo.transport, memo.controller, memo.elector = kube, transport, controller, elector
     memo.legacy = LegacyFinalizer(api)
     controller.start()

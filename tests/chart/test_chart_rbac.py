@@ -35,6 +35,8 @@ REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
     + [("", "endpoints", "delete")]
     # Read only: the head pod's address and readiness, and why Ray pods are Pending.
     + [("", "pods", v) for v in ("get", "list", "watch")]
+    # Read only: the launcher's report in the head container's log, while a head job launches.
+    + [("", "pods/log", "get")]
     + [(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")]
     # Each resource's Ray token Secret: created only; the token is derived, never read back.
     + [("", "secrets", "create")]

@@ -45,6 +45,7 @@ MUST_NAMESPACED = [
       for v in ("get", "list", "watch", "create", "patch", "delete")],
     ("delete", "endpoints", ""),
     *[(v, "pods", "") for v in ("get", "list", "watch")],
+    ("get", "pods", "log"),  # the launcher's report, followed while a head job launches
     *[(v, r, "") for r in ("events", "events.events.k8s.io") for v in ("create", "patch")],
     ("create", "secrets", ""),  # the Ray token Secret, never read back
 ]
@@ -56,7 +57,7 @@ MUST_NOT_NAMESPACED = [
     # No pod write at all: routing is the operator's EndpointSlice, not a pod label.
     ("delete", "pods", ""), ("create", "pods", ""), ("update", "pods", ""), ("patch", "pods", ""),
     ("patch", "pods", "status"), ("update", "endpointslices.discovery.k8s.io", ""),
-    ("create", "pods", "exec"), ("get", "pods", "log"), ("create", "pods", "portforward"),
+    ("create", "pods", "exec"), ("create", "pods", "portforward"),
     ("create", "deployments.apps", ""), ("create", "jobs.batch", ""),
     ("update", "services", ""), ("deletecollection", "services", ""),
     ("update", "rayclusters.ray.io", ""), ("create", "vllmdataparallels.vllmdp.io", ""),

@@ -205,7 +205,7 @@ def test_gpus_being_released_are_waited_for(caplog: pytest.LogCaptureFixture) ->
             find_holders=lambda: ended, sleep=clock.sleep, clock=lambda: clock.now,
         )  # fmt: skip
     assert result == [HEAD, WORKER]
-    assert clock.now == 3
+    assert clock.now == pytest.approx(3)
     messages = [r.getMessage() for r in caplog.records]
     assert "stage=waiting-for-free-gpus nodes=2/2 gpus=8/8 busy=4" in messages
     assert any(m.startswith("waiting for GPUs to be released: 2/2 GPU nodes, 8/8 GPUs, 4 in use")

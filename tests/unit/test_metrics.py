@@ -154,24 +154,24 @@ def gone(m: OperatorMetrics, at: dict[str, str]) -> bool:
 
 
 def test_per_rank_load_is_a_metric_while_serving_and_goes_after() -> None:
-    """Per-rank numbers live in the metrics (status only has a summary): set from the
-    reconcile that read them, kept through a reconcile that read nothing while Serving, gone
-    when the resource stops Serving, is deleted, or is no longer listed."""
+    """Per-rank numbers live in the metrics (status only has a summary): set from the probe
+    pool's reading, replaced by the next, gone when the pool stops probing the resource, when
+    it is deleted, or is no longer listed."""
     listed = [(("ns", "a"), {"phase": c.PHASE_SERVING})]
     m = OperatorMetrics(lambda: listed)
     loads = {0: EngineLoad(0, 3, 0, 0.125), 1: EngineLoad(1, 5, 2, 0.375)}
-    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_SERVING}, engine_loads=loads))
+    m.set_engine_loads(("ns", "a"), loads)
     at = {"namespace": "ns", "name": "a"}
     assert value(m, "vllmdp_engine_requests_running", **at, rank="1") == 5
     assert value(m, "vllmdp_engine_requests_waiting", **at, rank="1") == 2
     assert value(m, "vllmdp_engine_kv_cache_usage", **at, rank="0") == 0.125
-    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_SERVING}))  # read nothing: kept
-    assert value(m, "vllmdp_engine_requests_running", **at, rank="0") == 3
+    m.set_engine_loads(("ns", "a"), {0: EngineLoad(0, 1, 0, 0.0)})
+    assert value(m, "vllmdp_engine_requests_running", **at, rank="0") == 1
     listed.clear()  # the owner cache no longer lists it: its series go at once
     assert gone(m, at)
     listed.append((("ns", "a"), {"phase": c.PHASE_SERVING}))
-    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_LAUNCHING}))  # not Serving: forgotten
+    m.set_engine_loads(("ns", "a"), None)  # the pool released it: forgotten
     assert gone(m, at)
-    m.engine_loads(("ns", "a"), Outcome({"phase": c.PHASE_SERVING}, engine_loads=loads))
+    m.set_engine_loads(("ns", "a"), loads)
     m.forget(("ns", "a"))
     assert gone(m, at)

@@ -296,9 +296,16 @@ def test_head_job_is_submitted_over_http_without_a_submitter_pod() -> None:
 def test_head_job_stop_waits_the_drain_grace() -> None:
     job = job_of(with_(launch={"drainSeconds": 45}))
     env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
-    assert env == {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "45"}}
+    assert env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "45"
     default = yaml.safe_load(job_of(BASE)["spec"]["runtimeEnvYAML"])
     assert default["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == str(constants.DEFAULT_DRAIN_SECONDS)
+
+
+def test_head_job_tells_the_launcher_where_to_report_and_as_which_job() -> None:
+    job = job_of(BASE)
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert env["VLLMDP_HEAD_JOB"] == job["metadata"]["name"]
+    assert env["VLLMDP_STAGE_REPORT"] == "/proc/1/fd/1"  # the head container's own log
 
 
 def test_head_job_records_the_head_pod_it_runs_on() -> None:

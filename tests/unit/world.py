@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,7 +17,9 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.kube import ENDPOINTSLICE, POD, RAYCLUSTER, RAYJOB
 from vllm_dp_operator.engines.engine_metrics import parse_engine_loads
+from vllm_dp_operator.engines.launch_reports import Launch
 from vllm_dp_operator.engines.probe import EngineReading, ProbeResult
+from vllm_dp_operator.engines.prober import NOT_PROBED, Target
 from vllm_dp_operator.engines.ray_dashboard import NOT_FOUND, UNKNOWN, RayJobLookup, StopResult
 from vllm_dp_operator.reconcile.converge import Outcome, Resource, reconcile
 
@@ -25,24 +28,47 @@ CFG = Config(backoff_base_seconds=10, backoff_cap_seconds=40, stop_confirm_secon
 
 
 class FakeProbe:
-    """Test double for the health probe: answers what the test sets."""
+    """Test double for the probe pool: each ask is one probe, answering what the test sets,
+    with the failures in a row counted as the pool counts them."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], datetime] = lambda: T0) -> None:
         self.ok = False
         self.calls: list[str] = []
         self.metric_calls: list[str] = []
         #: What /metrics answers: exposition text, or None for a failed read.
         self.metrics: str | None = ""
+        self.nudged: list[tuple[str, str]] = []
+        #: What each head job's launcher reported last, as the test sets it.
+        self.stages: dict[str, str] = {}
+        self.followed: list[str] = []
+        self._clock = clock
+        self._last = NOT_PROBED
 
-    async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
-        self.calls.append(f"{service}:{port}")
-        return ProbeResult(self.ok, f"probe {service}:{port} ok={self.ok}")
+    def health(self, target: Target) -> ProbeResult:
+        self.calls.append(f"{target.service}:{target.port}")
+        if self.ok:
+            self._last = ProbeResult(True, f"probe {target.service}:{target.port} ok=True")
+        else:
+            failures = self._last.failures + 1 if not self._last.ok else 1
+            since = (self._last.failing_since if failures > 1 and self._last.failing_since
+                     else self._clock())  # fmt: skip
+            self._last = ProbeResult(False, f"probe {target.service}:{target.port} ok=False",
+                                     failures, since)  # fmt: skip
+        return self._last
 
-    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
-        self.metric_calls.append(f"{service}:{port}")
+    def reading(self, target: Target) -> EngineReading | None:
+        self.metric_calls.append(f"{target.service}:{target.port}")
         if self.metrics is None:
-            return EngineReading(None, f"GET {service}:{port}/metrics: HTTP 500")
-        return EngineReading(parse_engine_loads(self.metrics), f"GET {service}:{port}/metrics")
+            return EngineReading(None, f"GET {target.service}:{target.port}/metrics: HTTP 500")
+        return EngineReading(parse_engine_loads(self.metrics),
+                             f"GET {target.service}:{target.port}/metrics")  # fmt: skip
+
+    def nudge(self, key: tuple[str, str]) -> None:
+        self.nudged.append(key)
+
+    def reported(self, launch: Launch) -> str | None:
+        self.followed.append(launch.job)
+        return self.stages.get(launch.job)
 
 
 class FakeRayJobs:
@@ -107,7 +133,8 @@ class World:
     def __init__(self, raw_spec: dict[str, Any] | None = None) -> None:
         self.now = T0
         self.kube = FakeKube(clock=lambda: self.now)
-        self.probe = FakeProbe()
+        self.probe = FakeProbe(clock=lambda: self.now)
+        self.cfg = CFG
         self.ray = FakeRayJobs()
         self.spec = raw_spec or spec()
         self.status: dict[str, Any] = {}
@@ -122,7 +149,7 @@ class World:
         auth = (self.spec.get("ray") or {}).get("auth", "token")
         self.ray.required_token = CFG.ray_tokens.token("default", "demo") \
             if auth == "token" else None  # fmt: skip
-        out = await reconcile(res, self.kube, self.probe, self.ray, CFG, self.now)
+        out = await reconcile(res, self.kube, self.probe, self.ray, self.cfg, self.now)
         self.status = {k: v for k, v in out.status.items() if v is not None}
         self.events += [(e.type, e.reason, e.message) for e in out.events]
         return out

@@ -102,6 +102,11 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+# The launcher's report of a launch, in the head container's log: followed (get, with
+# follow) while a head job launches, so routing starts the moment vLLM answers. Read only.
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 # Each resource's Ray token Secret (spec.ray.auth: token): created, never read, listed,
 # watched or changed; the operator derives the token from its own key instead.
 - apiGroups: [""]

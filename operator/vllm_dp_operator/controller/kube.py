@@ -38,6 +38,8 @@ class Kind:
 
 #: Seconds one non-watch API request may take.
 REQUEST_TIMEOUT = 60.0
+#: Longest one log follow lasts before it is started again (a launch rarely takes longer).
+LOG_FOLLOW_SECONDS = 900.0
 
 VDP = Kind(constants.GROUP, constants.VERSION, constants.PLURAL)
 RAYCLUSTER = Kind(constants.RAY_GROUP, constants.RAY_VERSION_API, "rayclusters")
@@ -130,6 +132,22 @@ class ApiKube:
     async def close(self) -> None:
         """Release the HTTP session."""
         await self._api.close()
+
+    async def follow_log(
+        self, namespace: str, pod: str, container: str, since_seconds: int
+    ) -> AsyncIterator[str]:
+        """Follow one container's log from `since_seconds` back (`pods/log`, through the API
+        server and the kubelet): its lines as they are written, until the stream ends."""
+        core = client.CoreV1Api(self._api)
+        response: aiohttp.ClientResponse = await core.read_namespaced_pod_log(
+            pod, namespace, container=container, follow=True, since_seconds=since_seconds,
+            _preload_content=False, _request_timeout=LOG_FOLLOW_SECONDS,
+        )  # type: ignore[assignment]  # an aiohttp response when not preloaded
+        try:
+            async for raw in response.content:
+                yield raw.decode("utf-8", errors="replace")
+        finally:
+            response.release()
 
     async def _call(
         self,

@@ -5,8 +5,9 @@
                 Service, EndpointSlice, Pod,           │ app.kubernetes.io/instance label
                 NetworkPolicy)                         │
                                                        ▼
-    timers (probe cadence, backoff end, resync) ──▶ WorkQueue ──▶ K workers ──▶ reconcile()
-                                                                   (reads the cache; writes
+    probe pool (a change in /health    ──▶ WorkQueue ──▶ K workers ──▶ reconcile()
+      or load), timers (backoff end,                               (reads the cache and the
+      launch deadline, resync)                                      pool's answers; writes
                                                                     go to the API and back
                                                                     into the cache)
 
@@ -16,9 +17,10 @@ echo of it is no news to the cache). Status changes go to the background status 
 Nothing is decided from a child cache that is not filled, or whose kind the API server does
 not serve or let the operator read: such a resource is told why (a condition, from the
 owner cache alone), and every resource is looked at again once the watches are healthy.
-After each reconcile the key is scheduled again only when time matters: the /health cadence
-while Launching or Serving, the end of a relaunch backoff, and a rare safety resync. A
-resource at rest costs no API request.
+Probes run in their own bounded pool (engines/prober.py), never in a worker, and wake a
+resource only when their answer changes. After each reconcile the key is scheduled again
+only when time matters: the end of a relaunch backoff, a launch deadline, and a rare safety
+resync. A resource at rest costs no API request.
 
 Identity is the uid, not the name. An owner event wakes its key when the owner's uid,
 generation or deletion differs from what was last woken for or reconciled: never by the
@@ -40,6 +42,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from kubernetes_asyncio.client.exceptions import ApiException
+from vllm_dp_launcher.stages import SERVING
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
@@ -75,8 +78,11 @@ from vllm_dp_operator.controller.watch_health import (
     watched_again,
 )
 from vllm_dp_operator.controller.workqueue import ShutDown, WorkQueue
+from vllm_dp_operator.engines.launch_reports import LaunchReports, LogSource
 from vllm_dp_operator.engines.probe import HealthProbe
+from vllm_dp_operator.engines.prober import ProbePool
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
+from vllm_dp_operator.engines.transport import PROBES_OFF
 from vllm_dp_operator.observability.metrics import (
     RESULT_ERROR,
     OperatorMetrics,
@@ -109,16 +115,16 @@ def jitter(seconds: float, spread: float = 0.1) -> float:
     return seconds * random.uniform(1 - spread, 1 + spread)
 
 
+#: The phases in which a resource's head is probed.
+PROBED_PHASES = frozenset({c.PHASE_LAUNCHING, c.PHASE_SERVING})
+
+
 def next_wake(cfg: Config, outcome: Outcome) -> float:
-    """Seconds until a resource must be reconciled again with no event to wake it."""
+    """Seconds until a resource must be reconciled again with no event to wake it (a probe
+    whose answer changed wakes it too, from the probe pool)."""
     delays = [jitter(cfg.resync_seconds)]
     if outcome.retry_after is not None:
         delays.append(outcome.retry_after)
-    phase = outcome.status.get("phase")
-    if phase == c.PHASE_LAUNCHING:
-        delays.append(cfg.probe_launching_seconds)
-    elif phase == c.PHASE_SERVING:
-        delays.append(jitter(cfg.probe_serving_seconds))
     return min(delays)
 
 
@@ -148,6 +154,7 @@ class Controller:
         namespaces: Sequence[str] = (), post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         metrics: OperatorMetrics | None = None, leading: bool = True,
+        logs: LogSource | None = None,
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe, self.ray_jobs = api, cfg, probe, ray_jobs
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
@@ -195,8 +202,17 @@ class Controller:
         self.leading = asyncio.Event()
         if leading:
             self.leading.set()
-        #: Prometheus metrics, on a registry of this controller's own.
+        #: Prometheus metrics, on a registry of this controller's own (it reads the states
+        #: above at once).
         self.metrics = metrics or OperatorMetrics(self.resource_states, self.watch_states)
+        #: The launchers' reports, from the head pods' logs (none without a log source).
+        self.reports = LaunchReports(logs, self._reported) if logs is not None else None
+        #: The probes' own bounded pool; it feeds the per-rank gauges and wakes on a change.
+        self.probes = ProbePool(probe, self._probe_changed, concurrency=cfg.probe_concurrency,
+                                launching_seconds=cfg.probe_launching_seconds,
+                                serving_seconds=cfg.probe_serving_seconds,
+                                on_loads=self.metrics.set_engine_loads, reports=self.reports,
+                                probing=cfg.health_probe != PROBES_OFF)  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -221,6 +237,7 @@ class Controller:
         if self.poster is not None:
             self._tasks += self.poster.start()
         self._tasks += self.status.start()
+        self._tasks += self.probes.start()
         for reflector in self.reflectors:
             self._tasks.append(asyncio.create_task(reflector.run(), name=repr(reflector)))
         for i in range(self.cfg.workers):
@@ -253,6 +270,8 @@ class Controller:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.reports is not None:
+            await self.reports.stop()
 
     def lead(self) -> None:
         """This process now holds the Lease: start reconciling, every cached resource first."""
@@ -320,6 +339,7 @@ class Controller:
             "in_flight": self.queue.in_flight,
             "scheduled": self.queue.scheduled,
             "reconciles": self.reconciles,
+            "probed": len(self.probes),
             "wakes": {**self.wakes, "timer": self.queue.fired},
             "cached": {k.plural: self.cache.count(k) for k in (*CHILD_KINDS, VDP)},
         }
@@ -364,6 +384,20 @@ class Controller:
         if key is not None:
             self.wakes[kind.plural] += 1
             self.queue.add(key)
+
+    def _reported(self, key: Key, stage: str) -> None:
+        # A launcher reported a new stage. `serving`: probe at once, and that probe's answer
+        # wakes the resource; with probes off, the report itself does.
+        if stage == SERVING and self.cfg.health_probe != PROBES_OFF:
+            self.probes.nudge(key)
+            return
+        self.wakes["report"] += 1
+        self.queue.add(key)
+
+    def _probe_changed(self, key: Key) -> None:
+        # The pool learned something a decision rests on (engines/prober.py).
+        self.wakes["probe"] += 1
+        self.queue.add(key)
 
     def _workload_changed(self, obj: Obj) -> None:
         # A Workload is its RayCluster's (Kueue's controller owner reference): wake that
@@ -443,7 +477,7 @@ class Controller:
         kube = CountingKube(self.kube, None if told else lambda: self._owner_exists(key, uid))
         now = self.clock()
         try:
-            outcome = await reconcile(Resource.from_body(owner), kube, self.probe,
+            outcome = await reconcile(Resource.from_body(owner), kube, self.probes,
                                       self.ray_jobs, self.cfg, now)  # fmt: skip
         except OwnerGone:
             log.info("%s/%s (uid %s) was deleted while unwatched; forgetting it", *key, uid)
@@ -451,7 +485,8 @@ class Controller:
             return None
         self.reconciles += 1
         self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
-        self.metrics.engine_loads(key, outcome)
+        if outcome.status.get("phase") not in PROBED_PHASES:
+            self.probes.release(key)
         self._settled(key)
         again = watched_again(outcome.status["conditions"], outcome.status["observedGeneration"],
                               now)  # fmt: skip
@@ -511,6 +546,7 @@ class Controller:
         self.cache.remove(VDP, {"metadata": {"namespace": key[0], "name": key[1], "uid": uid}})
         self.status.forget(key, uid)
         self.metrics.forget(key)
+        self.probes.release(key)
         if cached is not None and uid and cached["metadata"].get("uid") != uid:
             return  # another resource of the same name lives on in the cache
         self.queue.drop(key)

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
+from vllm_dp_launcher.stages import SERVING
+
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
@@ -31,9 +33,12 @@ from vllm_dp_operator.engines.jobstate import (
     stop_step,
     submission_id,
 )
-from vllm_dp_operator.engines.load_summary import summarize
-from vllm_dp_operator.engines.probe import HealthProbe, ProbeResult
+from vllm_dp_operator.engines.launch_reports import Launch
+from vllm_dp_operator.engines.load_summary import DWELL_SECONDS, level_of, summarize
+from vllm_dp_operator.engines.probe import ProbeResult
+from vllm_dp_operator.engines.prober import NOT_PROBED, EngineProbes, Target
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
+from vllm_dp_operator.engines.transport import PROBES_OFF
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.status import parse_rfc3339, rfc3339
@@ -63,16 +68,17 @@ class HeadJobs:
     """One reconcile's view of a resource's head jobs on its ready cluster."""
 
     def __init__(
-        self, kube: Kube, probe: HealthProbe, ray_jobs: RayJobs, cfg: Config, res: Resource,
+        self, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, res: Resource,
         spec: VLLMDataParallelSpec, plan: Plan, cluster: str, head_pod: dict[str, Any] | None,
         st: StatusDoc, route: Callable[[bool], Awaitable[bool]],
     ) -> None:  # fmt: skip
-        self.kube, self.probe, self.ray_jobs, self.cfg = kube, probe, ray_jobs, cfg
+        self.kube, self.probes, self.ray_jobs, self.cfg = kube, probes, ray_jobs, cfg
         self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
         self.head_pod, self.st, self.ns = head_pod, st, res.namespace
         #: Writes the routing decision to the API Service's EndpointSlice (reconcile/routing.py).
         self.route = route
-        self.health = ProbeResult(False, "not probed")
+        self.health: ProbeResult = NOT_PROBED
+        self.target: Target | None = None
         # The cluster's Ray token, derived again rather than read from its Secret.
         self.token = (cfg.ray_tokens.token(res.namespace, res.name)
                       if spec.ray.auth == RayAuth.TOKEN else None)  # fmt: skip
@@ -105,9 +111,23 @@ class HeadJobs:
             return str(doc.get("lastFailureReason") or "it failed")
         if job_state(job) in (JobState.FAILED, JobState.ENDED):
             return self._record_failure(name, failure_reason(job), c.REASON_JOB_FAILED)
-        self.health = await self.probe.check(
-            self.ns, names.head_service(self.cluster), self.spec.service.port
-        )
+        # The pool's latest answer: a reconcile never waits on an engine (engines/prober.py).
+        self.target = Target(self.ns, self.res.name, names.head_service(self.cluster),
+                             self.spec.service.port, name)  # fmt: skip
+        served = doc.get("servedJob") == name
+        # Until it has served, the launcher's own report is followed too: its `serving` line
+        # has the pool probe at once (or, with probes off, is the sign of serving itself).
+        said = self.probes.reported(self._launch(job)) \
+            if not served and self.head_pod is not None else None  # fmt: skip
+        if self.cfg.health_probe == PROBES_OFF and (served or said == SERVING):
+            self.health = ProbeResult(True, "the launcher reports that vLLM answers /health "
+                                      "(healthProbe.mode off: the operator sends no probe)")
+        elif self.cfg.health_probe == PROBES_OFF:
+            self.health = ProbeResult(False, "healthProbe.mode off: waiting for the launcher "
+                                      "to report that vLLM answers /health (its last stage: "
+                                      f"{said or 'none yet'})")  # fmt: skip
+        else:
+            self.health = self.probes.health(self.target)
         timeout = self.spec.launch.timeout_seconds
         if (
             not self.health.ok
@@ -119,6 +139,13 @@ class HeadJobs:
             return self._record_failure(name, why, c.REASON_JOB_TIMED_OUT)
         return None
 
+    def _launch(self, job: dict[str, Any]) -> Launch:
+        assert self.head_pod is not None
+        meta = job["metadata"]
+        return Launch(self.ns, self.res.name, self.head_pod["metadata"]["name"],
+                      c.HEAD_CONTAINER, meta["name"],
+                      parse_rfc3339(meta.get("creationTimestamp")) or self.st.now)  # fmt: skip
+
     def _routable(self, job: dict[str, Any]) -> bool:
         """Whether the Service may route to this running head job: its vLLM answers now, or
         it has served and the operator's probes have not failed long enough to prove it gone."""
@@ -128,11 +155,12 @@ class HeadJobs:
             return True
         if doc.get("servedJob") != job["metadata"]["name"]:
             return False  # never routed before its first answer
+        if self.health.failures == 0:
+            return True  # not probed since this operator started: what served stays routed
         # A failed probe may only mean the operator could not ask (a timeout, a DNS or network
         # blink, its own busy loop). A dead engine ends the head job, which unroutes at once;
         # here only a hung engine is left, and it takes failures in a row over a minimum time.
-        failures = int(doc.get("probeFailures") or 0) + 1
-        since = parse_rfc3339(doc.get("probeFailingSince")) or self.st.now
+        failures, since = self.health.failures, self.health.failing_since or self.st.now
         doc.update(probeFailures=failures, probeFailingSince=rfc3339(since))
         return not (failures >= self.cfg.unroute_after_failures
                     and (self.st.now - since).total_seconds() >= self.cfg.unroute_after_seconds)
@@ -188,18 +216,25 @@ class HeadJobs:
 
     async def _read_engines(self) -> None:
         """status.load from the head's /metrics, and which planned ranks did not report."""
-        reading = await self.probe.engines(
-            self.ns, names.head_service(self.cluster), self.spec.service.port
-        )
+        assert self.target is not None
+        reading = self.probes.reading(self.target)
         expected = self.plan.data_parallel_size
+        if reading is None:  # not read yet: the pool wakes this resource once it is
+            self.st.doc["load"] = self.st.prev.get("load")
+            return
         if reading.loads is None:
             self.st.doc["load"] = self.st.prev.get("load")  # what it last was, until read again
             self.st.cond(c.COND_ENGINES_REPORTING, False, c.REASON_METRICS_UNAVAILABLE,
                          f"vLLM's /metrics could not be read: {reading.detail}")  # fmt: skip
             return
         missing = missing_ranks(reading.loads, expected)
-        self.st.engine_loads = reading.loads
-        self.st.doc["load"] = summarize(reading.loads, self.st.prev.get("load"), self.st.now)
+        load = summarize(reading.loads, self.st.prev.get("load"), self.st.now)
+        self.st.doc["load"] = load
+        since = parse_rfc3339(load.get("since"))
+        if level_of(reading.loads) != load.get("level") and since is not None:
+            # A new level waits out the last one's dwell; the pool does not wake for a level
+            # it already told of, so look again when the dwell ends.
+            self.st.recheck(DWELL_SECONDS - (self.st.now - since).total_seconds() + 1)
         if missing:
             self.st.cond(c.COND_ENGINES_REPORTING, False, c.REASON_RANKS_MISSING,
                          f"DP rank(s) {ranks_text(missing)} of 0-{expected - 1} report "
@@ -267,12 +302,13 @@ class HeadJobs:
                 c.REASON_JOB_RUNNING if running else c.REASON_JOB_PENDING,
                 f"Head job {name}: {job_failure_detail(job)}")  # fmt: skip
         serving = f"Serving {self.plan.model} with DP={self.plan.data_parallel_size}"
-        if routed and self.health.ok:
+        if routed and (self.health.ok or self.health.failures == 0):
             if self.res.status.get("phase") != c.PHASE_SERVING:
                 st.event(c.EVENT_NORMAL, c.REASON_HEALTHY, f"vLLM answers /health: "
                          f"{self.health.detail}")  # fmt: skip
             st.doc.update(consecutiveFailures=0, servedJob=name)
-            st.cond(c.COND_READY, True, c.REASON_HEALTHY, self.health.detail)
+            if self.health.ok:  # else not probed yet since a restart: the condition stands
+                st.cond(c.COND_READY, True, c.REASON_HEALTHY, self.health.detail)
             st.phase(c.PHASE_SERVING, serving)
             await self._read_engines()
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
 from vllm_dp_operator.engines.engine_metrics import (
@@ -19,10 +20,13 @@ METRICS_MAX_BYTES = 4 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Outcome of one probe."""
+    """Outcome of the latest probe, with the failures in a row that led to it."""
 
     ok: bool
     detail: str
+    #: Failed probes in a row, this one included (0 when it answered), and the first's time.
+    failures: int = 0
+    failing_since: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,10 @@ from vllm_dp_operator.constants import DEFAULT_CLUSTER_DOMAIN
 log = logging.getLogger(__name__)
 
 
+#: VLLMDP_HEALTH_PROBE (chart: healthProbe.mode) value for no access to the pods' ports.
+PROBES_OFF = "off"
+
+
 @dataclass(frozen=True)
 class Answer:
     """One HTTP exchange with the pod behind a Service."""
@@ -183,7 +187,7 @@ def make_transport(
         return ServiceDnsTransport(timeout, cluster_domain)
     if mode == "apiserver-proxy":
         return ApiServerProxyTransport(api, timeout)
-    if mode == "off":
+    if mode == PROBES_OFF:
         return DisabledTransport()
     raise ValueError(
         f"VLLMDP_HEALTH_PROBE={mode!r}: expected service-dns, apiserver-proxy or off"

@@ -199,16 +199,16 @@ class OperatorMetrics:
                                          buckets=SERVING_BUCKETS, registry=reg)  # fmt: skip
         reg.register(ResourceCollector(resources or list))
         reg.register(WatchCollector(watches or list))
-        #: Per-rank load by resource, from the reconciles' latest /metrics reads.
+        #: Per-rank load by resource, from the probe pool's latest /metrics reads.
         self._engine_loads: dict[Key, Mapping[int, Any]] = {}
         reg.register(EngineLoadCollector(self._engine_loads, resources or list))
 
-    def engine_loads(self, key: Key, outcome: Outcome) -> None:
-        """Keep the per-rank load a reconcile read; forget it once the resource is not
-        Serving (a reconcile that read nothing while Serving keeps the last reading)."""
-        if outcome.engine_loads is not None:
-            self._engine_loads[key] = dict(outcome.engine_loads)
-        elif outcome.status.get("phase") != c.PHASE_SERVING:
+    def set_engine_loads(self, key: Key, loads: Mapping[int, Any] | None) -> None:
+        """Keep the per-rank load the probe pool read last; None once it probes the
+        resource no more (it neither launches nor serves, or is gone)."""
+        if loads is not None:
+            self._engine_loads[key] = dict(loads)
+        else:
             self._engine_loads.pop(key, None)
 
     def forget(self, key: Key) -> None:

@@ -29,7 +29,7 @@ from vllm_dp_operator.controller.kube import (
     Kube,
 )
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
-from vllm_dp_operator.engines.probe import HealthProbe
+from vllm_dp_operator.engines.prober import EngineProbes
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
@@ -237,7 +237,7 @@ def _queued(st: StatusDoc, state: QueueState) -> Outcome:
 
 
 async def reconcile(
-    res: Resource, kube: Kube, probe: HealthProbe, ray_jobs: RayJobs, cfg: Config, now: datetime
+    res: Resource, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, now: datetime
 ) -> Outcome:
     """Bring the children in line with the spec and say where things stand."""
     st = StatusDoc(res, now)
@@ -326,7 +326,7 @@ async def reconcile(
                                    readiness.message, token_secret, st)  # fmt: skip
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
-    flow = HeadJobs(kube, probe, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
+    flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
                     router.route)  # fmt: skip
     await flow.converge(live)
     return st.outcome()

@@ -54,8 +54,6 @@ class Outcome:
     #: Seconds until a time-based step is due (a backoff's end, a stop's next check, the
     #: launch deadline), else None: the controller schedules a reconcile for then.
     retry_after: float | None = None
-    #: Per-rank load read this reconcile (engine_metrics.EngineLoad by rank), else None.
-    engine_loads: Mapping[int, Any] | None = None
 
 
 # Status keys carried over from one reconcile to the next (the rest is recomputed).
@@ -87,8 +85,6 @@ class StatusDoc:
             **{key: None for key in (*ENGINE_KEYS, *_STEP_KEYS, *_RETIRED_KEYS)},
         }
         self.events: list[Event] = []
-        #: The per-rank load this reconcile read from vLLM's /metrics, for the metrics.
-        self.engine_loads: Mapping[int, Any] | None = None
         self.retry_after: float | None = None
 
     def cond(self, type_: str, ok: bool | None, reason: str, message: str) -> None:
@@ -126,4 +122,4 @@ class StatusDoc:
         ):  # fmt: skip
             self.cond(c.COND_ENGINES_REPORTING, None, c.REASON_NOT_SERVING,
                       f"Engines report load only while Serving; the phase is {new}")
-        return Outcome(self.doc, self.events, self.retry_after, self.engine_loads)
+        return Outcome(self.doc, self.events, self.retry_after)

@@ -6,6 +6,8 @@ import base64
 import json
 from typing import Any
 
+from vllm_dp_launcher import report as launcher_report
+
 from vllm_dp_operator import constants
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import VLLMDataParallelSpec
@@ -36,13 +38,19 @@ def job_hash(plan: Plan, cluster_name: str) -> str:
     return names.content_hash({"cluster": cluster_name, "plan": plan.launch_spec()})
 
 
-def runtime_env_yaml(spec: VLLMDataParallelSpec) -> str:
-    """The Ray job's runtime env: how long a stop waits between SIGTERM and SIGKILL.
+def runtime_env_yaml(spec: VLLMDataParallelSpec, job_name: str) -> str:
+    """The Ray job's runtime env: how long a stop waits, and where the launcher reports.
 
     Ray's job supervisor reads RAY_JOB_STOP_WAIT_TIME_S from its own environment, which is
-    this job's runtime env, so the drain grace follows the spec without restarting pods.
+    this job's runtime env, so the drain grace follows the spec without restarting pods. The
+    launcher writes its stage lines, marked with this head job's name, to the head container's
+    log too (vllm_dp_launcher.report), where the operator follows them through the API server.
     """
-    env = {constants.RAY_JOB_STOP_WAIT_ENV: str(spec.launch.drain_seconds)}
+    env = {
+        constants.RAY_JOB_STOP_WAIT_ENV: str(spec.launch.drain_seconds),
+        launcher_report.REPORT_ENV: constants.STAGE_REPORT_PATH,
+        launcher_report.JOB_ENV: job_name,
+    }
     return json.dumps({"env_vars": env}, sort_keys=True)  # JSON is YAML
 
 
@@ -77,7 +85,7 @@ def build_head_job(
         "spec": {
             "entrypoint": launcher_entrypoint(plan),
             "jobId": name,
-            "runtimeEnvYAML": runtime_env_yaml(spec),
+            "runtimeEnvYAML": runtime_env_yaml(spec, name),
             # The cluster outlives each launch: a relaunch reuses the running pods.
             "clusterSelector": {constants.LABEL_RAY_CLUSTER: cluster_name},
             "submissionMode": "HTTPMode",

@@ -87,7 +87,7 @@ def _pod_template(
              "persistentVolumeClaim": {"claimName": cache.claim_name, "readOnly": cache.read_only}}
         )  # fmt: skip
     container: dict[str, Any] = {
-        "name": "ray-head" if head else "ray-worker",
+        "name": constants.HEAD_CONTAINER if head else "ray-worker",
         "image": spec.image or options.default_image,
         "imagePullPolicy": "IfNotPresent",
         "resources": _resources(spec, plan, head),

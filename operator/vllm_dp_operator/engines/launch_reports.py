@@ -1,0 +1,137 @@
+"""The launcher's own report of a launch, followed in the head pod's log as it is written.
+
+The launcher writes its stage lines, each marked with its head job's name, to the head
+container's log (vllm_dp_launcher.report). While a head job launches, the operator follows
+that log through the API server (`pods/log`, read-only; no access to the pod's ports), so the
+moment vLLM first answers /health, which the launcher watches from inside the pod, reaches
+the operator as an event and not at its next probe. With healthProbe.mode off, that report is
+the only sign of serving there is.
+
+One follow per launching head job, at most; it ends once the job reports `serving` (or ends),
+so a fleet at rest holds no stream. A stream that breaks is followed again after a pause, from
+the job's start, and a line already seen is no news.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Protocol
+
+from vllm_dp_launcher.stages import EXITED, MARKER, SERVING, parse_stage_lines
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+#: Stages after which nothing more is waited for from a launch's log.
+FINAL = frozenset({SERVING, EXITED})
+#: Pause before a broken stream is followed again.
+REFOLLOW_SECONDS = 2.0
+
+
+class LogSource(Protocol):
+    """Follows one container's log from some seconds back: its lines as they come."""
+
+    def __call__(
+        self, namespace: str, pod: str, container: str, since_seconds: int
+    ) -> AsyncIterator[str]:
+        """Yield the log's lines, following it, until the stream ends."""
+        ...
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A head job launching on a head pod: whose log to follow, for which job's lines."""
+
+    namespace: str
+    owner: str
+    pod: str
+    container: str
+    job: str
+    started: datetime
+
+    @property
+    def key(self) -> Key:
+        """The owning resource's key."""
+        return (self.namespace, self.owner)
+
+
+class LaunchReports:
+    """The latest stage each launching head job reported; a new stage wakes its resource."""
+
+    def __init__(
+        self, source: LogSource, changed: Callable[[Key, str], None],
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:  # fmt: skip
+        self._source, self._changed, self._clock = source, changed, clock
+        self._follows: dict[Key, tuple[Launch, asyncio.Task[None]]] = {}
+        self._stages: dict[Key, tuple[Launch, str]] = {}
+
+    def stage(self, launch: Launch) -> str | None:
+        """The last stage this head job reported; starts following its log if need be."""
+        seen = self._stages.get(launch.key)
+        stage = seen[1] if seen is not None and seen[0] == launch else None
+        if stage not in FINAL:
+            self._follow(launch)
+        return stage
+
+    def release(self, key: Key) -> None:
+        """Forget a resource's launch: it neither launches nor serves, or is gone."""
+        self._stages.pop(key, None)
+        self._stop(key)
+
+    def _follow(self, launch: Launch) -> None:
+        current = self._follows.get(launch.key)
+        if current is not None and current[0] == launch:
+            return
+        self._stop(launch.key)
+        task = asyncio.create_task(self._run(launch), name=f"log {launch.namespace}/{launch.pod}")
+        self._follows[launch.key] = (launch, task)
+
+    def _stop(self, key: Key) -> None:
+        current = self._follows.pop(key, None)
+        if current is not None:
+            current[1].cancel()
+
+    async def stop(self) -> None:
+        """End every follow."""
+        tasks = [task for _, task in self._follows.values()]
+        self._follows.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, launch: Launch) -> None:
+        try:
+            while not await self._read(launch):
+                await asyncio.sleep(REFOLLOW_SECONDS)
+        finally:
+            current = self._follows.get(launch.key)
+            if current is not None and current[1] is asyncio.current_task():
+                del self._follows[launch.key]
+
+    async def _read(self, launch: Launch) -> bool:
+        """Follow the log once; True once the launch reported a final stage."""
+        since = max(1, int((self._clock() - launch.started).total_seconds()) + 2)
+        try:
+            async for line in self._source(launch.namespace, launch.pod, launch.container, since):
+                if MARKER not in line:
+                    continue
+                for parsed in parse_stage_lines(line):
+                    if parsed.fields.get("job") == launch.job and self._record(launch, parsed.name):
+                        return True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the API server or kubelet broke the stream: follow again
+            log.debug("Following %s/%s's log: %r", launch.namespace, launch.pod, exc)
+        return False
+
+    def _record(self, launch: Launch, stage: str) -> bool:
+        seen = self._stages.get(launch.key)
+        if seen is None or seen[0] != launch or seen[1] != stage:
+            self._stages[launch.key] = (launch, stage)
+            self._changed(launch.key, stage)
+        return stage in FINAL

@@ -1,0 +1,256 @@
+"""Probes off the reconcile path: a bounded pool asks each head for /health and /metrics on its
+own cadence, and wakes the resource only when what it learned changed.
+
+A reconcile reads the pool's latest answer for its head job and never waits on an engine: a
+hung or unreachable engine holds one of the pool's slots for at most the transport's timeout,
+and no reconcile worker at all. What the pool learns wakes the resource's reconcile only when
+it matters to a decision: the first answer, /health turning ok or failing, one more failure in
+a row, the set of ranks that report, or the load level. Per-rank numbers go straight to the
+operator's metrics, with no reconcile and no status write.
+
+Each resource has at most one target: the head job its last reconcile asked about. A new head
+job starts from nothing (never probed, so not routable), and a resource that no longer
+launches or serves is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from vllm_dp_operator.engines.launch_reports import Launch, LaunchReports
+from vllm_dp_operator.engines.load_summary import level_of
+from vllm_dp_operator.engines.probe import EngineReading, HealthProbe, ProbeResult
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+NOT_PROBED = ProbeResult(False, "not probed yet")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One head job's vLLM, behind KubeRay's head Service."""
+
+    namespace: str
+    owner: str
+    service: str
+    port: int
+    job: str
+
+    @property
+    def key(self) -> Key:
+        """The owning resource's key (namespace, name)."""
+        return (self.namespace, self.owner)
+
+
+class EngineProbes(Protocol):
+    """What a reconcile asks of the probes: the latest answers, at once, with no I/O."""
+
+    def health(self, target: Target) -> ProbeResult:
+        """The latest /health answer for this head job (NOT_PROBED before the first one)."""
+        ...
+
+    def reading(self, target: Target) -> EngineReading | None:
+        """The latest /metrics reading of this head job, None before the first one."""
+        ...
+
+    def nudge(self, key: Key) -> None:
+        """Probe the resource's head now rather than at its next turn."""
+        ...
+
+    def reported(self, launch: Launch) -> str | None:
+        """The last stage the launcher reported for this head job, None before any (its log
+        is followed from now on, while it launches)."""
+        ...
+
+
+@dataclass
+class _Entry:
+    target: Target
+    health: ProbeResult = NOT_PROBED
+    reading: EngineReading | None = None
+    #: Whether /health ever answered 200 for this head job: the slower cadence from then on.
+    served: bool = False
+    due: float = 0.0
+    busy: bool = False
+    #: A nudge came while a probe was in flight: probe again as soon as it is back.
+    again: bool = False
+    #: What the last wake told the reconcile (see _signature).
+    told: tuple[Any, ...] = field(default_factory=tuple)
+
+
+def _signature(entry: _Entry) -> tuple[Any, ...]:
+    """What a reconcile decides on: a change here wakes it, anything else does not."""
+    health, reading = entry.health, entry.reading
+    loads = None if reading is None or reading.loads is None else reading.loads
+    return (health is NOT_PROBED, health.ok, health.failures,
+            None if loads is None else (len(loads), level_of(loads)))  # fmt: skip
+
+
+class ProbePool:
+    """Probes the targets the reconciles ask about, at most `concurrency` at a time."""
+
+    def __init__(
+        self, probe: HealthProbe, wake: Callable[[Key], None], *, concurrency: int,
+        launching_seconds: float, serving_seconds: float,
+        on_loads: Callable[[Key, Mapping[int, Any] | None], None] | None = None,
+        reports: LaunchReports | None = None, probing: bool = True,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:  # fmt: skip
+        self._probe, self._wake, self._on_loads = probe, wake, on_loads
+        #: The launchers' reports; and whether engines are probed at all (healthProbe.mode
+        #: off: never, and the reports alone tell of serving).
+        self._reports, self._probing = reports, probing
+        self._launching, self._serving = launching_seconds, serving_seconds
+        self._slots = asyncio.Semaphore(concurrency)
+        self._clock = clock
+        self._entries: dict[Key, _Entry] = {}
+        self._heap: list[tuple[float, int, Key]] = []
+        self._seq = 0
+        self._changed = asyncio.Event()
+        self._running: set[asyncio.Task[None]] = set()
+        #: Probes sent and wakes given, for the liveness endpoint, logs and benchmarks.
+        self.probes = 0
+        self.wakes = 0
+
+    # ------------------------------------------------------------------ the reconcile's side
+
+    def health(self, target: Target) -> ProbeResult:
+        """The latest /health answer; a new head job is registered and probed at once."""
+        return self._entry(target).health
+
+    def reading(self, target: Target) -> EngineReading | None:
+        """The latest /metrics reading of this head job."""
+        return self._entry(target).reading
+
+    def nudge(self, key: Key) -> None:
+        """Probe now (the launcher reported that vLLM answers)."""
+        entry = self._entries.get(key)
+        if entry is None or not self._probing:
+            return
+        if entry.busy:
+            entry.again = True  # the probe in flight may have left before vLLM answered
+        else:
+            self._schedule(key, entry, 0.0)
+
+    def reported(self, launch: Launch) -> str | None:
+        """The launcher's last reported stage for this head job."""
+        return self._reports.stage(launch) if self._reports is not None else None
+
+    def release(self, key: Key) -> None:
+        """Stop probing a resource that neither launches nor serves, or is gone."""
+        if self._reports is not None:
+            self._reports.release(key)
+        entry = self._entries.pop(key, None)
+        if entry is not None and self._on_loads is not None:
+            self._on_loads(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _entry(self, target: Target) -> _Entry:
+        entry = self._entries.get(target.key)
+        if entry is None or entry.target != target:
+            entry = _Entry(target)
+            entry.told = _signature(entry)
+            self._entries[target.key] = entry
+            if self._probing:
+                self._schedule(target.key, entry, 0.0)
+        return entry
+
+    # ------------------------------------------------------------------ the pool's side
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _schedule(self, key: Key, entry: _Entry, delay: float) -> None:
+        entry.due = self._now() + delay
+        self._seq += 1
+        heapq.heappush(self._heap, (entry.due, self._seq, key))
+        self._changed.set()
+
+    def start(self) -> list[asyncio.Task[None]]:
+        """The scheduler task (it starts the probes)."""
+        return [asyncio.create_task(self._run(), name="probe-pool")]
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                await self._next_due()
+                due, _, key = heapq.heappop(self._heap)
+                entry = self._entries.get(key)
+                if entry is None or entry.due != due or entry.busy:
+                    continue  # released, rescheduled since, or already being probed
+                await self._slots.acquire()  # at most `concurrency` engines asked at once
+                entry.busy = True
+                task = asyncio.create_task(self._probe_one(key, entry), name=f"probe {key}")
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+        finally:
+            for task in list(self._running):
+                task.cancel()
+
+    async def _next_due(self) -> None:
+        while True:
+            self._changed.clear()
+            if self._heap:
+                wait = self._heap[0][0] - self._now()
+                if wait <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=wait)
+            else:
+                await self._changed.wait()
+
+    async def _probe_one(self, key: Key, entry: _Entry) -> None:
+        t = entry.target
+        try:
+            self.probes += 1
+            answer = await self._probe.check(t.namespace, t.service, t.port)
+            reading = None
+            if answer.ok:
+                reading = await self._probe.engines(t.namespace, t.service, t.port)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a probe never kills the pool: count it as failed
+            log.exception("Probe of %s/%s failed", t.namespace, t.service)
+            answer, reading = ProbeResult(False, f"probe error: {exc!r}"), None
+        finally:
+            entry.busy = False
+            self._slots.release()
+        if self._entries.get(key) is not entry:
+            return  # released, or a newer head job took its place, while it was asked
+        self._record(key, entry, answer, reading)
+
+    def _record(
+        self, key: Key, entry: _Entry, answer: ProbeResult, reading: EngineReading | None
+    ) -> None:
+        previous = entry.health
+        if answer.ok:
+            entry.health = ProbeResult(True, answer.detail)
+            entry.served = True
+        else:
+            failures = previous.failures + 1 if not previous.ok and previous is not NOT_PROBED \
+                else 1  # fmt: skip
+            since = previous.failing_since if failures > 1 else self._clock()
+            entry.health = ProbeResult(False, answer.detail, failures, since)
+        if reading is not None:
+            entry.reading = reading
+            if self._on_loads is not None and reading.loads is not None:
+                self._on_loads(key, reading.loads)
+        period = self._serving if entry.served else self._launching
+        self._schedule(key, entry, 0.0 if entry.again else period * random.uniform(0.9, 1.1))
+        entry.again = False
+        signature = _signature(entry)
+        if signature != entry.told:
+            entry.told = signature
+            self.wakes += 1
+            self._wake(key)

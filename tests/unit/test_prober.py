@@ -1,0 +1,161 @@
+"""The probe pool: probes run off the reconcile path, bounded, and wake only on a change."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from test_controller import CFG, Bed
+from vllm_dp_operator.controller.kube import RAYJOB, VDP
+from vllm_dp_operator.engines.engine_metrics import EngineLoad
+from vllm_dp_operator.engines.probe import EngineReading, ProbeResult
+from vllm_dp_operator.engines.prober import NOT_PROBED, ProbePool, Target
+
+
+class EngineDouble:
+    """Test double for the engines behind the transport: per service, answer, hang or fail."""
+
+    def __init__(self) -> None:
+        self.ok: dict[str, bool] = {}
+        self.hung: set[str] = set()
+        self.loads: dict[str, dict[int, EngineLoad]] = {}
+        self.asked: list[str] = []
+        self.in_flight = 0
+        self._release = asyncio.Event()
+
+    async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
+        self.asked.append(service)
+        self.in_flight += 1
+        try:
+            if service in self.hung:
+                await self._release.wait()  # an engine that never answers
+            return ProbeResult(self.ok.get(service, False), f"{service} answered")
+        finally:
+            self.in_flight -= 1
+
+    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+        return EngineReading(self.loads.get(service, {}), f"{service} /metrics")
+
+
+def target(name: str, job: str = "j1") -> Target:
+    return Target("ns", name, f"{name}-head-svc", 8000, job)
+
+
+async def until(check: Any, timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not check():
+        assert loop.time() - start < timeout, "not within the time"
+        await asyncio.sleep(0.002)
+
+
+def pool(engines: EngineDouble, woken: list[Any], concurrency: int = 4,
+         period: float = 0.01, loads: dict[Any, Mapping[int, Any] | None] | None = None,
+         ) -> ProbePool:  # fmt: skip
+    sink = loads if loads is not None else {}
+    return ProbePool(engines, woken.append, concurrency=concurrency, launching_seconds=period,
+                     serving_seconds=period, on_loads=sink.__setitem__)  # fmt: skip
+
+
+async def test_a_hung_engine_does_not_hold_a_reconcile_worker() -> None:
+    """With one worker and an engine that never answers, every reconcile still completes:
+    the reconcile reads the pool's latest answer and the hung probe waits in the pool."""
+    bed = Bed(replace(CFG, workers=1))
+    bed.probe.ok = True
+    hung = asyncio.Event()
+
+    async def never(namespace: str, service: str, port: int) -> ProbeResult:
+        bed.probe.calls += 1
+        await hung.wait()
+        return ProbeResult(True, "too late")
+
+    bed.probe.check = never  # type: ignore[method-assign]
+    bed.ctl.start()
+    try:
+        await bed.owner_with_cluster()
+        bed.cluster_ready()
+        await bed.until("the head job", lambda: bed.names(RAYJOB))
+        bed.api.set_status(RAYJOB, "default", "demo-j00001", {"jobStatus": "RUNNING"})
+        await bed.until("a probe sent", lambda: bed.probe.calls == 1)
+        await bed.settle()  # the one worker is free while the probe hangs
+        for generation in (2, 3):  # and it keeps reconciling: two edits, each seen
+            await bed.api.patch(VDP, "default", "demo", {"metadata": {"generation": generation},
+                                                         "spec": {"model": f"m{generation}"}})
+            bed.kopf_event("MODIFIED")
+            await bed.until(f"generation {generation} observed",
+                            lambda g=generation: bed.status().get("observedGeneration") == g)
+        assert bed.status().get("phase") != "Serving"  # no probe has answered
+    finally:
+        hung.set()
+        await bed.ctl.stop()
+
+
+async def test_hung_engines_hold_pool_slots_and_the_others_are_still_answered() -> None:
+    engines, woken = EngineDouble(), []
+    engines.hung = {"h1-head-svc", "h2-head-svc"}
+    engines.ok = {"a-head-svc": True, "b-head-svc": True}
+    p = pool(engines, woken, concurrency=3)
+    task = p.start()[0]
+    try:
+        for name in ("h1", "h2", "a", "b"):
+            assert p.health(target(name)) is NOT_PROBED  # at once, no I/O
+        await until(lambda: p.health(target("a")).ok and p.health(target("b")).ok)
+        assert engines.in_flight <= 3 and p.health(target("h1")) is NOT_PROBED
+        assert ("ns", "a") in woken and ("ns", "h1") not in woken
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_wakes_on_a_change_only_and_feeds_per_rank_load_without_a_wake() -> None:
+    engines, woken = EngineDouble(), []
+    loads: dict[Any, Mapping[int, Any] | None] = {}
+    svc = "a-head-svc"
+    engines.ok[svc] = True
+    engines.loads[svc] = {0: EngineLoad(0, 1, 0, 0.1)}
+    p = pool(engines, woken, loads=loads)
+    task = p.start()[0]
+    try:
+        p.health(target("a"))
+        await until(lambda: engines.asked.count(svc) >= 5)
+        assert woken == [("ns", "a")]  # the first answer; the same answer again is no news
+        engines.loads[svc] = {0: EngineLoad(0, 7, 0, 0.3)}  # busier, same level: no wake
+        await until(lambda: loads[("ns", "a")] == engines.loads[svc])
+        assert woken == [("ns", "a")]
+        engines.loads[svc] = {0: EngineLoad(0, 7, 3, 0.3)}  # requests wait: Saturated
+        await until(lambda: len(woken) == 2)
+        engines.ok[svc] = False  # each failure in a row is news (the unroute threshold)
+        await until(lambda: p.health(target("a")).failures >= 3)
+        health = p.health(target("a"))
+        assert not health.ok and health.failing_since is not None
+        assert len(woken) >= 2 + health.failures - 1
+        p.release(("ns", "a"))
+        assert loads[("ns", "a")] is None and len(p) == 0
+        asked = len(engines.asked)
+        await asyncio.sleep(0.05)
+        assert len(engines.asked) <= asked + 1  # at most the probe that was in flight
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_new_head_job_starts_unprobed_and_a_nudge_probes_at_once() -> None:
+    engines, woken = EngineDouble(), []
+    engines.ok["a-head-svc"] = True
+    p = pool(engines, woken, period=3600)
+    task = p.start()[0]
+    try:
+        p.health(target("a", "j1"))
+        await until(lambda: p.health(target("a", "j1")).ok)
+        # The next head job of the resource is not routable on its predecessor's answer.
+        assert p.health(target("a", "j2")) is NOT_PROBED
+        await until(lambda: p.health(target("a", "j2")).ok)
+        asked = len(engines.asked)
+        p.nudge(("ns", "a"))  # the launcher said vLLM answers: no wait for the next turn
+        await until(lambda: len(engines.asked) == asked + 1, timeout=1.0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
