@@ -33,7 +33,8 @@ from typing import Any
 import pytest
 import yaml
 
-from .bed import REPO, RunningCluster
+from . import timeline
+from .bed import REPO, RunningCluster, testbed_cli
 from .vdp import API_PORT, Vdp, http, http_status, import_engine, own_namespace
 
 # isort: split
@@ -78,7 +79,11 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
                      f"--from-literal=key={API_KEY}")  # fmt: skip
     doc = example(NS)
     v = Vdp(operator, NS, doc["metadata"]["name"])
+    ROUTES.append(timeline.route_watch([str(operator.bin_dir / "kubectl"),
+                                        f"--kubeconfig={operator.kubeconfig}"], NS,
+                                       f"{v.name}-api"))  # fmt: skip
     t0 = time.monotonic()
+    APPLIED.append(time.time())
     operator.apply(doc)
     v.wait("the RayCluster ready", lambda: v.status().get("rayCluster") and (
         operator.kubectl_json("get", "raycluster", v.status()["rayCluster"], "-n", NS)
@@ -86,10 +91,44 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
     note(f"RayCluster ready {time.monotonic() - t0:.0f}s after apply")
     v.wait_phase("Serving", 600)
     note(f"Serving {time.monotonic() - t0:.0f}s after apply")
+    LAUNCHES.append(launch_of(v, "first launch", APPLIED[0], joined=True))
     try:
         yield v
     finally:
+        ROUTES[0].stop()
         operator.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        if LAUNCHES:
+            note("launch timeline (issue 22, p5):\n" + timeline.HEADER + "\n"
+                 + "\n".join(la.row() for la in LAUNCHES))  # fmt: skip
+            note(json.dumps(timeline.summary(LAUNCHES)))
+
+
+#: The EndpointSlice watch, the apply time, and each launch's timeline, for the p5 figures.
+ROUTES: list[timeline.RouteWatch] = []
+APPLIED: list[float] = []
+LAUNCHES: list[timeline.Launch] = []
+
+
+def launch_of(v: Vdp, label: str, applied: float, joined: bool) -> timeline.Launch:
+    """The steps of the launch that now serves: its head job's stage lines in the head
+    container's log, Ray's node table, and the slice watch."""
+    job = v.status()["headJob"]
+    pods = v.pods()
+    log = v.cluster.kubectl("logs", pods["head"]["metadata"]["name"], "-n", v.ns, "-c",
+                            "ray-head").stdout  # fmt: skip
+    stages = timeline.stage_times(log, job)
+    assert {timeline.ENGINE_STARTING, timeline.SERVING} <= set(stages), (
+        f"the launcher's stage lines for {job} are not in the head container's log:\n"
+        f"{log[-3000:]}")
+    routed = v.wait("the route seen by the watch", lambda: ROUTES[0].routed_after(
+        stages[timeline.SERVING] - 5), 30)  # fmt: skip
+    nodes = http(v.dashboard_url("/api/v0/nodes?detail=1&limit=100"), timeout=10,
+                 headers=v.ray_headers())["data"]["result"]["result"]  # fmt: skip
+    return timeline.Launch(label, applied,
+                           timeline.started_at(list(pods.values())) if joined else None,
+                           timeline.last_join(nodes) if joined else None,
+                           stages[timeline.ENGINE_STARTING], stages[timeline.SERVING],
+                           routed)  # fmt: skip
 
 
 def completion(url: str, via: Any) -> dict[str, Any]:
@@ -320,21 +359,41 @@ def test_prometheus_scrapes_vllm_and_status_load_follows(
         prom.stop()
 
 
-def test_engine_only_change_relaunches_on_same_pods(vdp: Vdp) -> None:
-    st = vdp.status()
-    old_job = st["headJob"]
-    old_sid = vdp.rayjob(old_job)["status"]["jobId"]  # type: ignore[index]
-    uids = {role: p["metadata"]["uid"] for role, p in vdp.pods().items()}
-    t0 = time.monotonic()
-    vdp.cluster.apply(example(vdp.ns, max_model_len=128))
-    new = vdp.wait("a new head job", lambda: (s := vdp.status()).get("headJob") != old_job
-                   and s.get("headJob"), 180)  # fmt: skip
-    vdp.wait_phase("Serving", 600, job=new)
-    note(f"relaunch after an engine-only change: Serving again in {time.monotonic() - t0:.0f}s")
-    assert {role: p["metadata"]["uid"] for role, p in vdp.pods().items()} == uids
-    assert vdp.dashboard_jobs()[old_sid]["status"] == "STOPPED"
-    models = http(f"http://{vdp.service_ip()}:{API_PORT}/v1/models", headers=AUTH)
-    assert models["data"][0]["max_model_len"] == 128
+def operator_values(*values: str) -> None:
+    """`helm upgrade` the bed's operator with these values on top of the bed's own."""
+    proc = testbed_cli("operator", *(f"--set={v}" for v in values), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_engine_only_change_relaunches_on_same_pods_with_probes_off(vdp: Vdp) -> None:
+    """Also issue 17's scenario G: with healthProbe.mode off the operator sends no probe,
+    and the relaunch serves on the launcher's own report alone."""
+    operator_values("healthProbe.mode=off")
+    try:
+        st = vdp.status()
+        old_job = st["headJob"]
+        old_sid = vdp.rayjob(old_job)["status"]["jobId"]  # type: ignore[index]
+        uids = {role: p["metadata"]["uid"] for role, p in vdp.pods().items()}
+        t0 = time.monotonic()
+        applied = time.time()
+        vdp.cluster.apply(example(vdp.ns, max_model_len=128))
+        new = vdp.wait("a new head job", lambda: (s := vdp.status()).get("headJob") != old_job
+                       and s.get("headJob"), 180)  # fmt: skip
+        served = vdp.wait_phase("Serving", 600, job=new)
+        note(f"relaunch after an engine-only change, probes off: Serving again in "
+             f"{time.monotonic() - t0:.0f}s")  # fmt: skip
+        ready = next(c for c in served["conditions"] if c["type"] == "Ready")
+        assert "the launcher reports" in ready["message"], ready
+        assert {role: p["metadata"]["uid"] for role, p in vdp.pods().items()} == uids
+        assert vdp.dashboard_jobs()[old_sid]["status"] in ("STOPPED", "SUCCEEDED", "FAILED")
+        models = http(f"http://{vdp.service_ip()}:{API_PORT}/v1/models", headers=AUTH)
+        assert models["data"][0]["max_model_len"] == 128
+        out = completion(f"http://{vdp.service_ip()}:{API_PORT}", http)
+        assert out["object"] == "text_completion"
+        LAUNCHES.append(launch_of(vdp, "engine-only change (probes off)", applied,
+                                  joined=False))  # fmt: skip
+    finally:
+        operator_values()  # the bed's own values again, probes on
 
 
 def test_worker_pod_killed_relaunches_with_backoff(vdp: Vdp) -> None:
@@ -370,9 +429,15 @@ def test_worker_pod_killed_relaunches_with_backoff(vdp: Vdp) -> None:
     assert waited.total_seconds() >= 4, (created, failed["lastFailureTime"])
     vdp.wait_phase("Serving", 600, job=new)
     note(f"worker killed: Serving again {time.monotonic() - t0:.0f}s later")
+    LAUNCHES.append(launch_of(vdp, "worker pod killed", created_at(vdp, new), joined=True))
     assert vdp.pods()["worker"]["metadata"]["uid"] != worker["uid"]
     out = completion(f"http://{vdp.service_ip()}:{API_PORT}", http)
     assert out["object"] == "text_completion"
+
+
+def created_at(vdp: Vdp, job: str) -> float:
+    created = vdp.rayjob(job)["metadata"]["creationTimestamp"]  # type: ignore[index]
+    return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
 
 
 def test_delete_removes_everything(vdp: Vdp) -> None:

@@ -1,0 +1,144 @@
+"""A launch's timeline on the real-node bed, each step from its own witness.
+
+- pods running: the containers' `startedAt` (whole seconds, the kubelet's);
+- Ray joined: each live Ray node's `start_time_ms` in Ray's state API (the raylet's start);
+- exec: the launcher's `stage=engine-starting` line, written as it starts `vllm serve`;
+- healthy: its `stage=serving` line, at vLLM's first 200 on /health (polled every 0.25 s);
+- routed: the moment a watch of the API Service's EndpointSlice saw its endpoint turn ready.
+
+Stage lines come from the head container's log, where the launcher reports for the operator
+(vllm_dp_launcher.report); every clock is this host's (the bed's nodes share it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from vllm_dp_launcher.stages import ENGINE_STARTING, MARKER, SERVING, parse_stage_lines
+
+__all__ = ["ENGINE_STARTING", "SERVING"]
+
+
+@dataclass
+class RouteWatch:
+    """`kubectl get -w` of one EndpointSlice: when its endpoints' readiness changed."""
+
+    argv: list[str]
+    seen: list[tuple[float, str]] = field(default_factory=list)
+    proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> RouteWatch:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.seen.append((time.time(), raw.strip()))
+
+    def routed_after(self, after: float) -> float | None:
+        """When the endpoint first turned ready after `after` (epoch seconds)."""
+        was = None
+        for at, state in self.seen:
+            ready = "true" in state.split()
+            if at >= after and ready and was is False:
+                return at
+            was = ready
+        return None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+def route_watch(kubectl: list[str], ns: str, name: str) -> RouteWatch:
+    """Watch `name`'s readiness (it may not exist yet: a field selector lists none then)."""
+    return RouteWatch([*kubectl, "get", "endpointslices", "-n", ns, "--watch",
+                       f"--field-selector=metadata.name={name}", "-o",
+                       "jsonpath={.endpoints[*].conditions.ready}{\"\\n\"}"]).start()  # fmt: skip
+
+
+def stage_times(log: str, job: str) -> dict[str, float]:
+    """The first time of each stage the launcher of `job` reported, epoch seconds."""
+    out: dict[str, float] = {}
+    for line in log.splitlines():
+        if MARKER not in line:
+            continue
+        parsed = parse_stage_lines(line)
+        if not parsed or parsed[0].fields.get("job") != job:
+            continue
+        stamp = line[: line.index(" vllm-dp-launcher")].strip()
+        at = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC).timestamp()
+        out.setdefault(parsed[0].name, at)
+    return out
+
+
+def started_at(pods: list[dict[str, Any]]) -> float:
+    """When the last of these pods' containers started (epoch seconds)."""
+    times = []
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            started = ((cs.get("state") or {}).get("running") or {}).get("startedAt")
+            if started:
+                times.append(datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp())
+    return max(times)
+
+
+def last_join(nodes: list[dict[str, Any]]) -> float:
+    """When the last live Ray node started (Ray's state API, epoch seconds)."""
+    return max(n["start_time_ms"] / 1000 for n in nodes if n.get("state") == "ALIVE")
+
+
+@dataclass
+class Launch:
+    """One launch's steps, epoch seconds (None where the step did not happen in it)."""
+
+    label: str
+    applied: float
+    pods_running: float | None
+    joined: float | None
+    exec_: float
+    healthy: float
+    routed: float
+
+    def row(self) -> str:
+        def d(a: float | None, b: float | None) -> str:
+            return "-" if a is None or b is None else f"{(b - a) * 1000:.0f} ms"
+        return (f"| {self.label} | {d(self.applied, self.pods_running)} | "
+                f"{d(self.pods_running, self.joined)} | {d(self.joined, self.exec_)} | "
+                f"{d(self.exec_, self.healthy)} | {d(self.healthy, self.routed)} |")
+
+    @property
+    def join_to_exec_ms(self) -> float | None:
+        return None if self.joined is None else (self.exec_ - self.joined) * 1000
+
+    @property
+    def health_to_routed_ms(self) -> float:
+        return (self.routed - self.healthy) * 1000
+
+
+HEADER = ("| launch | apply → pods running | → Ray joined | → exec | → first healthy | "
+          "→ routed |\n|---|---|---|---|---|---|")
+
+
+def summary(launches: list[Launch]) -> dict[str, Any]:
+    """The p5 keys: medians over the launches that had each step."""
+    joins = [x for la in launches if (x := la.join_to_exec_ms) is not None]
+    routed = [la.health_to_routed_ms for la in launches]
+    return {
+        "p5_join_to_exec_ms": round(statistics.median(joins)) if joins else None,
+        "p5_join_to_exec_samples": [round(x) for x in joins],
+        "p5_health_to_routed_ms": round(statistics.median(routed)),
+        "p5_health_to_routed_samples": [round(x) for x in routed],
+    }
+
+
