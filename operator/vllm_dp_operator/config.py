@@ -222,6 +222,9 @@ class Config:
     #: VLLMDP_PROBE_CONCURRENCY: most engines probed at once, in the probe pool (never in a
     #: reconcile worker): a hung engine holds one slot for at most the probe timeout.
     probe_concurrency: int = 32
+    #: VLLMDP_PROXY_QPS: with VLLMDP_HEALTH_PROBE=apiserver-proxy, the most probe and Ray job
+    #: requests a second sent through the API server (a burst of twice that); 0: no limit.
+    proxy_qps: float = 20.0
     #: VLLMDP_WATCH_NAMESPACES: the namespaces whose children are watched, comma-separated;
     #: empty for all. Must match kopf's --namespace flags (the chart sets both from
     #: watchNamespaces).
@@ -281,6 +284,7 @@ class Config:
             unroute_after_seconds=_env_float("VLLMDP_UNROUTE_AFTER_SECONDS", 90.0),
             workers=_env_int("VLLMDP_WORKERS", 16),
             probe_concurrency=_env_int("VLLMDP_PROBE_CONCURRENCY", 32),
+            proxy_qps=_env_float("VLLMDP_PROXY_QPS", 20.0),
             watch_namespaces=_namespaces(os.environ.get("VLLMDP_WATCH_NAMESPACES")),
             backoff_base_seconds=_env_float("VLLMDP_BACKOFF_BASE_SECONDS", 10.0),
             backoff_cap_seconds=_env_float("VLLMDP_BACKOFF_CAP_SECONDS", 300.0),

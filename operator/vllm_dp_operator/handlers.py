@@ -88,7 +88,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
     kube = await ApiKube.connect(user_agent=f"vllm-dp-operator/{__version__} {IDENTITY}")
     transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds,
-                               CONFIG.cluster_domain)  # fmt: skip
+                               CONFIG.cluster_domain, CONFIG.proxy_qps)  # fmt: skip
     probe = TransportProbe(transport, CONFIG.engine_metrics_max_bytes)
     election = CONFIG.election
     elector: LeaderElector | None = None

@@ -18,6 +18,7 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_ENGINE_FS_GROUP",
              "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS",
              "VLLMDP_PROBE_LAUNCHING_SECONDS", "VLLMDP_PROBE_SERVING_SECONDS",
+             "VLLMDP_PROBE_CONCURRENCY", "VLLMDP_PROXY_QPS",
              "VLLMDP_UNROUTE_AFTER_FAILURES", "VLLMDP_UNROUTE_AFTER_SECONDS",
              "VLLMDP_CLUSTER_DOMAIN", "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS",
              "VLLMDP_WORKERS",
@@ -218,6 +219,8 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert int(env["VLLMDP_WORKERS"]) == defaults.workers
     assert float(env["VLLMDP_PROBE_LAUNCHING_SECONDS"]) == defaults.probe_launching_seconds
     assert float(env["VLLMDP_PROBE_SERVING_SECONDS"]) == defaults.probe_serving_seconds
+    assert int(env["VLLMDP_PROBE_CONCURRENCY"]) == defaults.probe_concurrency
+    assert float(env["VLLMDP_PROXY_QPS"]) == defaults.proxy_qps
     assert int(env["VLLMDP_UNROUTE_AFTER_FAILURES"]) == defaults.unroute_after_failures
     assert float(env["VLLMDP_UNROUTE_AFTER_SECONDS"]) == defaults.unroute_after_seconds
     assert float(env["VLLMDP_BACKOFF_BASE_SECONDS"]) == defaults.backoff_base_seconds

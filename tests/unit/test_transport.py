@@ -177,3 +177,26 @@ async def test_metrics_read_through_the_proxy_bounded_in_size(apiserver: dict[st
     assert cut.loads is not None and sorted(cut.loads) == [0, 1, 2]  # the cut line is dropped
     assert f"read the first {len(ranks) - 5} bytes only" in cut.detail
     assert apiserver["hits"][-1] == f"GET {METRICS}"
+
+
+async def test_the_api_server_proxy_is_rate_limited() -> None:
+    """A token bucket: a burst passes at once, then one request per 1/qps seconds."""
+    from vllm_dp_operator.engines.transport import RateLimit
+
+    now = [0.0]
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    limit = RateLimit(qps=10, burst=2, clock=lambda: now[0], sleep=sleep)
+    for _ in range(5):
+        await limit.take()
+    assert slept == [pytest.approx(0.1)] * 3  # 2 at once, then 10 a second
+    now[0] += 1.0  # a quiet second refills the bucket, up to its burst
+    slept.clear()
+    for _ in range(2):
+        await limit.take()
+    assert slept == []
+    await RateLimit(qps=0, burst=1).take()  # 0: no limit

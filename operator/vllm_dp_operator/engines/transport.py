@@ -7,9 +7,11 @@ the same RBAC (`services/proxy` get and create in apiserver-proxy mode).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,12 +126,42 @@ def _api_server_status(body: str) -> str | None:
     return None
 
 
-class ApiServerProxyTransport:
-    """Outside the pod network: the API server's services/<service>:<port>/proxy<path>."""
+class RateLimit:
+    """A token bucket: at most `qps` requests a second on average, `burst` at once."""
 
-    def __init__(self, api: client.ApiClient, timeout: float) -> None:
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:  # fmt: skip
+        self._qps, self._burst = qps, float(burst)
+        self._tokens, self._clock, self._sleep = float(burst), clock, sleep
+        self._at = clock()
+        self._lock = asyncio.Lock()
+
+    async def take(self) -> None:
+        """Wait for a token (requests wait in turn, first come first served)."""
+        if self._qps <= 0:
+            return
+        async with self._lock:
+            now = self._clock()
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._qps)
+            self._at = now
+            if self._tokens < 1:
+                await self._sleep((1 - self._tokens) / self._qps)
+                self._tokens, self._at = 1.0, self._clock()
+            self._tokens -= 1
+
+
+class ApiServerProxyTransport:
+    """Outside the pod network: the API server's services/<service>:<port>/proxy<path>.
+
+    Every probe and Ray job call is then an API request the API server forwards, so they are
+    rate-limited (VLLMDP_PROXY_QPS) on top of the probe pool's concurrency bound.
+    """
+
+    def __init__(self, api: client.ApiClient, timeout: float,
+                 limit: RateLimit | None = None) -> None:  # fmt: skip
         self._api = api
         self._timeout = timeout
+        self._limit = limit
 
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
@@ -137,6 +169,8 @@ class ApiServerProxyTransport:
     ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy{path}"
+        if self._limit is not None:
+            await self._limit.take()
         try:
             resp = await self._api.call_api(
                 url, method,
@@ -180,13 +214,14 @@ class DisabledTransport:
 
 def make_transport(
     mode: str, api: client.ApiClient, timeout: float,
-    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN,
+    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN, proxy_qps: float = 0.0,
 ) -> ServiceTransport:  # fmt: skip
     """The transport for a VLLMDP_HEALTH_PROBE setting."""
     if mode == "service-dns":
         return ServiceDnsTransport(timeout, cluster_domain)
     if mode == "apiserver-proxy":
-        return ApiServerProxyTransport(api, timeout)
+        limit = RateLimit(proxy_qps, max(1, int(proxy_qps * 2))) if proxy_qps > 0 else None
+        return ApiServerProxyTransport(api, timeout, limit)
     if mode == PROBES_OFF:
         return DisabledTransport()
     raise ValueError(
