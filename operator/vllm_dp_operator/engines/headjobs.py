@@ -117,8 +117,10 @@ class HeadJobs:
         served = doc.get("servedJob") == name
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).
-        said = self.probes.reported(self._launch(job)) \
-            if not served and self.head_pod is not None else None  # fmt: skip
+        # Only once its Ray job runs: before that no launcher writes, and nothing is followed.
+        follow = (not served and self.head_pod is not None
+                  and job_state(job) is JobState.RUNNING)  # fmt: skip
+        said = self.probes.reported(self._launch(job)) if follow else None
         if self.cfg.health_probe == PROBES_OFF and (served or said == SERVING):
             self.health = ProbeResult(True, "the launcher reports that vLLM answers /health "
                                       "(healthProbe.mode off: the operator sends no probe)")

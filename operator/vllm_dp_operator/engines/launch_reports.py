@@ -28,8 +28,11 @@ log = logging.getLogger(__name__)
 Key = tuple[str, str]
 #: Stages after which nothing more is waited for from a launch's log.
 FINAL = frozenset({SERVING, EXITED})
-#: Pause before a broken stream is followed again.
+#: Pause before a stream that ended is followed again; it doubles while streams bring no
+#: line of the launch (a kubelet that serves no log, a pod without the launcher's report),
+#: up to REFOLLOW_MAX_SECONDS.
 REFOLLOW_SECONDS = 2.0
+REFOLLOW_MAX_SECONDS = 60.0
 
 
 class LogSource(Protocol):
@@ -105,9 +108,11 @@ class LaunchReports:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self, launch: Launch) -> None:
+        pause = REFOLLOW_SECONDS
         try:
             while not await self._read(launch):
-                await asyncio.sleep(REFOLLOW_SECONDS)
+                await asyncio.sleep(pause)
+                pause = min(REFOLLOW_MAX_SECONDS, pause * 2)
         finally:
             current = self._follows.get(launch.key)
             if current is not None and current[1] is asyncio.current_task():
