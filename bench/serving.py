@@ -49,14 +49,13 @@ from kubernetes_asyncio import client, config
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, SERVICE, VDP, ApiKube
 from watchlog import WatchLog
 
-sys.path.insert(0, str(REPO / "tests" / "testbed"))
-import kwoknodes
-
 SPEC = {"model": "bench/model", "dataParallel": {"size": 8, "ranksPerNode": 8}}
 DOUBLE = REPO / "tests" / "doubles" / "engine_fleet.py"
 PORT = 8000
-#: The double's control routes, reached at the kwok nodes' address (routed into the pod network).
-CONTROL = f"http://{kwoknodes.NODE_IP}:{PORT}/_double"
+#: The double's control routes, at the address kwok gives every fake node (kwoknodes.NODE_IP),
+#: which the bed routes into its pod network. (tests/testbed is not importable here: its
+#: `controlplane` module shares a name with the benchmark's.)
+CONTROL = f"http://10.0.0.1:{PORT}/_double"
 PODS_PER_NODE = 100
 NODE_PREFIX = "bench-serving-gpu"
 
@@ -70,16 +69,28 @@ def control(path: str, body: dict[str, Any] | None = None) -> Any:
 
 
 def add_nodes(tb: Testbed, count: int) -> list[str]:
-    """Fake GPU nodes for `count` one-pod resources (plus spare), kwok-managed like the bed's."""
-    nodes = kwoknodes.node_manifests(count // PODS_PER_NODE + 1, PODS_PER_NODE * 8, 0,
-                                     "NVIDIA-H100-80GB-HBM3", "p5.48xlarge")  # fmt: skip
-    for i, node in enumerate(nodes):
-        node["metadata"]["name"] = f"{NODE_PREFIX}-{i}"
-        node["metadata"]["labels"]["kubernetes.io/hostname"] = f"{NODE_PREFIX}-{i}"
-        node["status"]["capacity"].update(cpu="2000", memory="20Ti", pods=str(PODS_PER_NODE + 10))
-        node["status"]["allocatable"] = node["status"]["capacity"]
-    tb.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(nodes))
-    names = [n["metadata"]["name"] for n in nodes]
+    """Fake GPU nodes for `count` one-pod resources, managed by the bed's kwok as its own are
+    (the same annotation, labels and taint as tests/testbed/kwoknodes.py gives them)."""
+    names = [f"{NODE_PREFIX}-{i}" for i in range(count // PODS_PER_NODE + 1)]
+    res = {"cpu": "2000", "memory": "20Ti", "pods": str(PODS_PER_NODE + 10),
+           "ephemeral-storage": "10Ti", "nvidia.com/gpu": str(PODS_PER_NODE * 8)}  # fmt: skip
+    nodes = [{
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake",
+                                                   "node.alpha.kubernetes.io/ttl": "0"},
+                     "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                "kubernetes.io/arch": "amd64", "type": "kwok",
+                                "nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": "8",
+                                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                                "vllmdp.io/testbed-node": "gpu"}},
+        "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present",
+                             "effect": "NoSchedule"}]},
+        "status": {"capacity": res, "allocatable": res},
+    } for name in names]  # fmt: skip
+    existing = set(tb.kubectl("get", "nodes", "-o", "name").stdout.split())
+    new = [n for n in nodes if f"node/{n['metadata']['name']}" not in existing]
+    if new:  # created with their status, as the bed creates its own
+        tb.kubectl("create", "-f", "-", input=yaml.safe_dump_all(new))
     tb.kubectl("wait", "--for=condition=Ready", "--timeout=120s", *(f"node/{n}" for n in names))
     return names
 
