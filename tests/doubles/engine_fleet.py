@@ -272,20 +272,22 @@ def make_app(fleet: Fleet) -> web.Application:
         address = str(sock[0]) if sock else "?"
         eng = fleet.engine(address, now)
         hung = eng.hang_until > now
-        if hung:
-            await asyncio.sleep(eng.hang_until - now)
-        if kind == "metrics":
-            loads = draw_loads(eng.regime, fleet.ranks, eng.rng)
-            body = (fleet.block(address) + render_gauges(loads)).encode()
-        else:
-            body = b""
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})  # fmt: skip
-        resp.content_length = len(body)
-        await resp.prepare(request)
-        await resp.write(body)
-        await resp.write_eof()
-        fleet.log.append((now, kind, (time.perf_counter() - start) * 1000, hung))
+        try:  # counted also when the caller gave up on a hung engine and went away
+            if hung:
+                await asyncio.sleep(eng.hang_until - now)
+            if kind == "metrics":
+                loads = draw_loads(eng.regime, fleet.ranks, eng.rng)
+                body = (fleet.block(address) + render_gauges(loads)).encode()
+            else:
+                body = b""
+            resp = web.StreamResponse(status=200, headers={
+                "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})  # fmt: skip
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            await resp.write(body)
+            await resp.write_eof()
+        finally:
+            fleet.log.append((now, kind, (time.perf_counter() - start) * 1000, hung))
         return resp
 
     async def health(request: web.Request) -> web.StreamResponse:
