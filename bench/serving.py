@@ -286,7 +286,9 @@ def main() -> None:
     tb = Testbed()
     tb.ensure_up()
     if not (STATE / "pod_network.json").exists():
-        raise SystemExit("the test bed has no pod network (needs root and iproute2)")
+        tb.down()
+        raise SystemExit("the test bed has no pod network: it needs root and iproute2, and "
+                         "the pod CIDR routed to no other test bed (`testbed.py up` says why)")
     op = BenchOperator(tb, STATE / "logs" / "bench-operator.log")
     op.setup(probe="apiserver-proxy")
     nodes: list[str] = []
