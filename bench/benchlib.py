@@ -5,8 +5,7 @@
   ServiceAccount with the chart's RBAC, and with FlowSchemas of its own, so the API server's
   `apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}` counts exactly the
   requests this process makes (watches included), apart from KubeRay's and the benchmark's;
-  split by kind (`SCHEMAS`): service-proxy requests (probes), status writes, other writes,
-  and the rest.
+  split by kind (`SCHEMAS`): Lease renewals, status writes, other writes, and the rest.
 - Process counters from /proc (RSS, CPU seconds) and small statistics helpers.
 """
 
@@ -38,9 +37,11 @@ TESTBED_PY = REPO / "tests" / "testbed" / "testbed.py"
 FLOW_SCHEMA = "vllmdp-bench-operator"
 _WRITES = ["create", "update", "patch", "delete", "deletecollection"]
 #: The operator's requests by kind: FlowSchema name suffix -> (precedence, verbs, resources).
-#: The lowest precedence matches first; the catch-all FLOW_SCHEMA takes what is left.
+#: The lowest precedence matches first; the catch-all FLOW_SCHEMA takes what is left. Service
+#: proxy requests (the probes) never reach priority and fairness (the API server exempts
+#: long-running requests other than watches), so `proxy_requests` counts them instead.
 SCHEMAS: dict[str, tuple[int, list[str], list[str]]] = {
-    "proxy": (470, ["*"], ["services/proxy", "pods/proxy"]),  # probes, the Ray job API
+    "leases": (470, _WRITES, ["leases"]),  # leader election's renewals
     "status": (480, _WRITES, ["vllmdataparallels/status"]),
     "writes": (490, _WRITES, ["*"]),
 }
@@ -227,6 +228,14 @@ def operator_requests_by_kind(metrics_text: str) -> dict[str, float]:
 
 
 _FLOW_SCHEMA_LABEL = re.compile(r'(?:^|,)flow_schema="([^"]*)"')
+_REQUESTS = re.compile(r'^apiserver_request_total\{([^}]*)\}\s+([0-9.e+]+)$', re.M)
+
+
+def proxy_requests(metrics_text: str) -> float:
+    """Service-proxy requests the API server answered so far, from every client (on the test
+    bed only the operator sends any: its probes and Ray job API calls)."""
+    return sum(float(value) for labels, value in _REQUESTS.findall(metrics_text)
+               if 'resource="services"' in labels and 'subresource="proxy"' in labels)
 
 
 def operator_requests(metrics_text: str) -> float:

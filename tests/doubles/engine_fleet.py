@@ -11,7 +11,10 @@ on is one engine (a Ray head running `vllm serve` with --ranks DP ranks). Never 
     GET  /_double/stats?since=T  counts and service times of the GETs above since T (epoch s),
                                and how often an engine's load level changed
     POST /_double/hang         {"addresses": [...], "seconds": S}: those engines accept requests
-                               but answer nothing for S seconds (a hung engine)
+                               but answer nothing for S seconds (a hung engine); or {"count": K,
+                               "seconds": S}: the K engines whose next /health is due soonest
+                               (from the interval between their last two), so that the hang
+                               meets the probes it is meant to meet
 
 The load moves all the time: every /metrics read draws new per-rank gauges within the engine's
 current regime (idle, busy or saturated, the levels the operator's status.load tells apart), and
@@ -203,6 +206,13 @@ class Engine:
     until: float
     rng: random.Random
     hang_until: float = 0.0
+    #: The last two /health GETs' times (0: none yet).
+    health_at: tuple[float, float] = (0.0, 0.0)
+
+    def next_health(self, default_period: float = 30.0) -> float:
+        """When the next /health GET is expected: one more interval like the last one."""
+        prev, last = self.health_at
+        return last + (last - prev if prev else default_period)
 
 
 @dataclass
@@ -262,6 +272,12 @@ class Fleet:
         return out
 
 
+def due_first(engines: dict[str, Engine], now: float, count: int) -> list[str]:
+    """The `count` engines whose next /health is due soonest from now on."""
+    probed = [(eng.next_health(), addr) for addr, eng in engines.items() if eng.health_at[1]]
+    return [addr for _, addr in sorted((t, a) for t, a in probed if t >= now)[:count]]
+
+
 def make_app(fleet: Fleet) -> web.Application:
     """The routes above, over one Fleet."""
 
@@ -272,6 +288,8 @@ def make_app(fleet: Fleet) -> web.Application:
         address = str(sock[0]) if sock else "?"
         eng = fleet.engine(address, now)
         hung = eng.hang_until > now
+        if kind == "health":
+            eng.health_at = (eng.health_at[1], now)
         try:  # counted also when the caller gave up on a hung engine and went away
             if hung:
                 await asyncio.sleep(eng.hang_until - now)
@@ -301,10 +319,12 @@ def make_app(fleet: Fleet) -> web.Application:
 
     async def hang(request: web.Request) -> web.Response:
         doc = await request.json()
-        until = time.time() + float(doc["seconds"])
-        for address in doc["addresses"]:
-            fleet.engine(address, time.time()).hang_until = until
-        return web.json_response({"hung": len(doc["addresses"]), "until": until})
+        now = time.time()
+        until = now + float(doc["seconds"])
+        addresses = doc.get("addresses") or due_first(fleet.engines, now, int(doc["count"]))
+        for address in addresses:
+            fleet.engine(address, now).hang_until = until
+        return web.json_response({"addresses": addresses, "until": until})
 
     async def refresher(app: web.Application) -> Any:
         for i in range(BLOCKS):

@@ -37,16 +37,23 @@ def test_requests_are_counted_per_flow_schema_of_the_operator_only() -> None:
         'priority_level="workload-high"} 5',
         f'apiserver_flowcontrol_dispatched_requests_total{{flow_schema="{fs}-status",'
         'priority_level="workload-high"} 2',
-        f'apiserver_flowcontrol_dispatched_requests_total{{flow_schema="{fs}-proxy",'
+        f'apiserver_flowcontrol_dispatched_requests_total{{flow_schema="{fs}-leases",'
         'priority_level="workload-high"} 1e+03',
         'apiserver_flowcontrol_dispatched_requests_total{flow_schema="service-accounts",'
         'priority_level="workload-low"} 99',
-        f'apiserver_flowcontrol_dispatched_requests_total{{flow_schema="{fs}-proxyx",'
+        f'apiserver_flowcontrol_dispatched_requests_total{{flow_schema="{fs}-leasesx",'
         'priority_level="workload-high"} 7',
+        'apiserver_request_total{code="200",component="apiserver",resource="services",'
+        'scope="resource",subresource="proxy",verb="GET",version="v1"} 40',
+        'apiserver_request_total{code="503",component="apiserver",resource="services",'
+        'scope="resource",subresource="proxy",verb="GET",version="v1"} 2',
+        'apiserver_request_total{code="200",component="apiserver",resource="services",'
+        'scope="resource",subresource="",verb="GET",version="v1"} 99',
     ])  # fmt: skip
     assert benchlib.operator_requests_by_kind(text) == {
-        "other": 5.0, "proxy": 1000.0, "status": 2.0, "writes": 0.0}
+        "other": 5.0, "leases": 1000.0, "status": 2.0, "writes": 0.0}
     assert benchlib.operator_requests(text) == 1007.0
+    assert benchlib.proxy_requests(text) == 42.0
 
 
 @pytest.mark.parametrize("regime", [engine_fleet.IDLE, engine_fleet.BUSY, engine_fleet.SATURATED])
@@ -67,6 +74,15 @@ def test_the_exposition_is_the_size_of_vllms_for_8_ranks() -> None:
     assert 200 * 1024 < len(text) < 400 * 1024
     assert "vllm:time_to_first_token_seconds_bucket" in text
     assert parse_engine_loads(text) == {}  # the gauges come from render_gauges only
+
+
+def test_a_hang_picks_the_engines_probed_next() -> None:
+    fleet = engine_fleet.Fleet(8, regime_seconds=1800)
+    for i, (prev, last) in enumerate([(0.0, 100.0), (90.0, 120.0), (95.0, 104.0), (0.0, 0.0)]):
+        fleet.engine(f"10.244.0.{i}", 0.0).health_at = (prev, last)
+    # Due at 130 (default 30 s period), 150, 113; never probed: not picked.
+    assert engine_fleet.due_first(fleet.engines, 110.0, 2) == ["10.244.0.2", "10.244.0.0"]
+    assert engine_fleet.due_first(fleet.engines, 140.0, 5) == ["10.244.0.1"]
 
 
 def test_an_engines_level_shifts_after_its_regime_time_and_is_counted() -> None:
