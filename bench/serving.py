@@ -190,15 +190,20 @@ async def hang_rounds(b: Bench, rounds: int, hung: int, hang_s: float,
     async with WatchLog(b.api, new_ns, [RAYCLUSTER, SERVICE]) as log:
         for r in range(rounds):
             calm = await new_resources(b, new_ns, log, f"c{r}-", 4, 2.0)
+            # The engines probed next: a hang that met no probe would measure nothing. Probes
+            # of resources that started together stay bunched: wait for enough to be due.
+            waited = time.perf_counter()
+            while (control(f"/due?within={hang_s}")["due"] < hung
+                   and time.perf_counter() - waited < 40):  # fmt: skip
+                await asyncio.sleep(1)
             t0 = time.time()
-            # The engines probed next: a hang that met no probe would measure nothing.
             targets = control("/hang", {"count": hung, "seconds": hang_s})["addresses"]
             await asyncio.sleep(1.0)
             during = await new_resources(b, new_ns, log, f"h{r}-", int((hang_s - 1) // 2), 2.0)
             await asyncio.sleep(max(0.0, t0 + hang_s - time.time()))
             st = control(f"/stats?since={t0}")
-            row = {"calm_ms": calm, "hang_ms": during, "hung_gets": st["health"]["hung"]
-                   + st["metrics"]["hung"], "targets": len(targets)}  # fmt: skip
+            row = {"calm_ms": calm, "hang_ms": during, "hung_gets": st["held"],
+                   "targets": len(targets)}  # fmt: skip
             rows.append(row)
             print(f"P7 hang round {r}: new resource to children {median(during):.0f} ms "
                   f"(max {max(during):.0f}) while {len(targets)} engines hang "

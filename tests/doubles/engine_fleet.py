@@ -12,9 +12,10 @@ on is one engine (a Ray head running `vllm serve` with --ranks DP ranks). Never 
                                and how often an engine's load level changed
     POST /_double/hang         {"addresses": [...], "seconds": S}: those engines accept requests
                                but answer nothing for S seconds (a hung engine); or {"count": K,
-                               "seconds": S}: the K engines whose next /health is due soonest
-                               (from the interval between their last two), so that the hang
-                               meets the probes it is meant to meet
+                               "seconds": S}: up to K engines whose next /health is due within
+                               those S s, soonest first (from the interval between their last
+                               two), so that the hang meets the probes it is meant to meet
+    GET  /_double/due?within=S  how many engines' next /health is due within S s
 
 The load moves all the time: every /metrics read draws new per-rank gauges within the engine's
 current regime (idle, busy or saturated, the levels the operator's status.load tells apart), and
@@ -227,6 +228,9 @@ class Fleet:
     #: (time, "health" | "metrics", service ms, hung) per GET; the last 30 minutes.
     log: collections.deque[tuple[float, str, float, bool]] = field(
         default_factory=lambda: collections.deque(maxlen=200_000))
+    #: Arrival times of the GETs a hang held (counted on arrival, whatever became of them).
+    held: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=200_000))
     #: Times at which an engine's regime changed.
     shifts: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=200_000))
@@ -264,7 +268,8 @@ class Fleet:
         rows = [row for row in self.log if row[0] >= since]
         out: dict[str, Any] = {
             "now": time.time(), "since": since, "engines": len(self.engines),
-            "level_changes": sum(1 for t in self.shifts if t >= since)}  # fmt: skip
+            "level_changes": sum(1 for t in self.shifts if t >= since),
+            "held": sum(1 for t in self.held if t >= since)}  # fmt: skip
         for kind in ("health", "metrics"):
             mine = [r for r in rows if r[1] == kind]
             out[kind] = {"gets": len(mine), "hung": sum(1 for r in mine if r[3]),
@@ -272,10 +277,10 @@ class Fleet:
         return out
 
 
-def due_first(engines: dict[str, Engine], now: float, count: int) -> list[str]:
-    """The `count` engines whose next /health is due soonest from now on."""
+def due_first(engines: dict[str, Engine], now: float, within: float, count: int) -> list[str]:
+    """Up to `count` engines whose next /health is due within `within` s, soonest first."""
     probed = [(eng.next_health(), addr) for addr, eng in engines.items() if eng.health_at[1]]
-    return [addr for _, addr in sorted((t, a) for t, a in probed if t >= now)[:count]]
+    return [a for t, a in sorted(probed) if now <= t <= now + within][:count]
 
 
 def make_app(fleet: Fleet) -> web.Application:
@@ -288,6 +293,8 @@ def make_app(fleet: Fleet) -> web.Application:
         address = str(sock[0]) if sock else "?"
         eng = fleet.engine(address, now)
         hung = eng.hang_until > now
+        if hung:
+            fleet.held.append(now)
         if kind == "health":
             eng.health_at = (eng.health_at[1], now)
         try:  # counted also when the caller gave up on a hung engine and went away
@@ -317,11 +324,18 @@ def make_app(fleet: Fleet) -> web.Application:
     async def stats(request: web.Request) -> web.Response:
         return web.json_response(fleet.stats(float(request.query.get("since", "0"))))
 
+    async def due(request: web.Request) -> web.Response:
+        within = float(request.query.get("within", "10"))
+        return web.json_response({"due": len(due_first(fleet.engines, time.time(), within,
+                                                       len(fleet.engines)))})  # fmt: skip
+
     async def hang(request: web.Request) -> web.Response:
         doc = await request.json()
         now = time.time()
-        until = now + float(doc["seconds"])
-        addresses = doc.get("addresses") or due_first(fleet.engines, now, int(doc["count"]))
+        seconds = float(doc["seconds"])
+        until = now + seconds
+        addresses = doc.get("addresses") or due_first(fleet.engines, now, seconds,
+                                                      int(doc["count"]))  # fmt: skip
         for address in addresses:
             fleet.engine(address, now).hang_until = until
         return web.json_response({"addresses": addresses, "until": until})
@@ -346,6 +360,7 @@ def make_app(fleet: Fleet) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/_double/stats", stats)
     app.router.add_post("/_double/hang", hang)
+    app.router.add_get("/_double/due", due)
     app.cleanup_ctx.append(refresher)
     return app
 

@@ -81,8 +81,9 @@ def test_a_hang_picks_the_engines_probed_next() -> None:
     for i, (prev, last) in enumerate([(0.0, 100.0), (90.0, 120.0), (95.0, 104.0), (0.0, 0.0)]):
         fleet.engine(f"10.244.0.{i}", 0.0).health_at = (prev, last)
     # Due at 130 (default 30 s period), 150, 113; never probed: not picked.
-    assert engine_fleet.due_first(fleet.engines, 110.0, 2) == ["10.244.0.2", "10.244.0.0"]
-    assert engine_fleet.due_first(fleet.engines, 140.0, 5) == ["10.244.0.1"]
+    assert engine_fleet.due_first(fleet.engines, 110.0, 30, 2) == ["10.244.0.2", "10.244.0.0"]
+    assert engine_fleet.due_first(fleet.engines, 110.0, 10, 5) == ["10.244.0.2"]
+    assert engine_fleet.due_first(fleet.engines, 140.0, 30, 5) == ["10.244.0.1"]
 
 
 def test_an_engines_level_shifts_after_its_regime_time_and_is_counted() -> None:
