@@ -46,7 +46,7 @@ from benchlib import (
 )
 from controlplane import Bench, children_done, writers
 from kubernetes_asyncio import client, config
-from vllm_dp_operator.controller.kube import RAYCLUSTER, SERVICE, VDP, ApiKube
+from vllm_dp_operator.controller.kube import RAYCLUSTER, RAYJOB, SERVICE, VDP, ApiKube
 from watchlog import WatchLog
 
 SPEC = {"model": "bench/model", "dataParallel": {"size": 8, "ranksPerNode": 8}}
@@ -111,6 +111,20 @@ def start_double(regime_seconds: float) -> subprocess.Popen[bytes]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("the engine double did not start; see .testbed/logs") from None
             time.sleep(0.3)
+
+
+async def drop(b: Bench, ns: str) -> None:
+    """Delete a namespace and wait until it is gone.
+
+    KubeRay's RayJob finalizer stops the Ray job through the dashboard before it lets go;
+    from the bed's host KubeRay reaches no dashboard, so the bench lifts the finalizer once
+    the deletion has begun (KubeRay adds none to an object being deleted).
+    """
+    b.tb.kubectl("delete", "namespace", ns, "--wait=false")
+    jobs = await b.api.list(RAYJOB, ns, "")
+    await writers(len(jobs), lambda i: b.api.patch(
+        RAYJOB, ns, jobs[i]["metadata"]["name"], {"metadata": {"finalizers": None}}))
+    b.tb.kubectl("wait", "--for=delete", f"namespace/{ns}", "--timeout=900s", check=False)
 
 
 def phases(tb: Testbed, ns: str) -> dict[str, int]:
@@ -209,7 +223,7 @@ async def hang_rounds(b: Bench, rounds: int, hung: int, hang_s: float,
                   f"(max {max(during):.0f}) while {len(targets)} engines hang "
                   f"({row['hung_gets']} GETs held); {median(calm):.0f} ms before", flush=True)
             await asyncio.sleep(gap)  # the hung engines' probes pass again
-    b.drop(new_ns)
+    await drop(b, new_ns)
     hang = [x for row in rows for x in row["hang_ms"]]
     calm = [x for row in rows for x in row["calm_ms"]]
     return {"rounds": rows, "hang_children_ms": median(hang), "hang_children_max_ms": max(hang),
@@ -240,7 +254,7 @@ async def run(args: argparse.Namespace, tb: Testbed, op: BenchOperator) -> dict[
             out["hang"] = await hang_rounds(b, args.hang_rounds, args.hung, args.hang_seconds,
                                             args.gap)  # fmt: skip
         finally:
-            b.drop(ns)
+            await drop(b, ns)
     return out
 
 
