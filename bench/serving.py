@@ -251,6 +251,9 @@ async def run(args: argparse.Namespace, tb: Testbed, op: BenchOperator) -> dict[
             out["windows"] = rows
             out["steady"] = {k: median(r[k] for r in rows) for k in rows[0]}
             out["spread"] = {k: spread([r[k] for r in rows]) for k in rows[0]}
+            # Kept should a later step fail: the steady state took the longest to reach.
+            partial = REPO / "bench" / "results" / f"{args.name}.partial.json"
+            partial.write_text(json.dumps(out, indent=2) + "\n")
             out["hang"] = await hang_rounds(b, args.hang_rounds, args.hung, args.hang_seconds,
                                             args.gap)  # fmt: skip
         finally:
