@@ -197,8 +197,8 @@ async def new_resources(b: Bench, ns: str, log: WatchLog, tag: str, count: int,
     return out
 
 
-async def hang_rounds(b: Bench, rounds: int, hung: int, hang_s: float,
-                      gap: float) -> dict[str, Any]:  # fmt: skip
+async def hang_rounds(b: Bench, rounds: int, hung: int, hang_s: float, gap: float,
+                      cleanup: bool) -> dict[str, Any]:  # fmt: skip
     new_ns = b.namespace("p7-new")
     rows = []
     async with WatchLog(b.api, new_ns, [RAYCLUSTER, SERVICE]) as log:
@@ -223,7 +223,8 @@ async def hang_rounds(b: Bench, rounds: int, hung: int, hang_s: float,
                   f"(max {max(during):.0f}) while {len(targets)} engines hang "
                   f"({row['hung_gets']} GETs held); {median(calm):.0f} ms before", flush=True)
             await asyncio.sleep(gap)  # the hung engines' probes pass again
-    await drop(b, new_ns)
+    if cleanup:
+        await drop(b, new_ns)
     hang = [x for row in rows for x in row["hang_ms"]]
     calm = [x for row in rows for x in row["calm_ms"]]
     return {"rounds": rows, "hang_children_ms": median(hang), "hang_children_max_ms": max(hang),
@@ -255,9 +256,10 @@ async def run(args: argparse.Namespace, tb: Testbed, op: BenchOperator) -> dict[
             partial = REPO / "bench" / "results" / f"{args.name}.partial.json"
             partial.write_text(json.dumps(out, indent=2) + "\n")
             out["hang"] = await hang_rounds(b, args.hang_rounds, args.hung, args.hang_seconds,
-                                            args.gap)  # fmt: skip
+                                            args.gap, not args.no_cleanup)  # fmt: skip
         finally:
-            await drop(b, ns)
+            if not args.no_cleanup:
+                await drop(b, ns)
     return out
 
 
@@ -303,6 +305,9 @@ def main() -> None:
     parser.add_argument("--regime-seconds", type=float, default=1800,
                         help="mean time between an engine's load level shifts")
     parser.add_argument("--name", default="serving", help="bench/results/<name>.json")
+    parser.add_argument("--no-cleanup", action="store_true",
+                        help="leave the namespaces and nodes, for a bed discarded after the run "
+                        "(deleting 1,000 resources takes minutes)")
     args = parser.parse_args()
     if args.quick:
         args.n, args.window, args.windows, args.hang_rounds, args.hung = 50, 40, 2, 1, 20
@@ -327,7 +332,7 @@ def main() -> None:
         if double is not None:
             double.terminate()
             double.wait(timeout=10)
-        if nodes:
+        if nodes and not args.no_cleanup:
             tb.kubectl("delete", "node", *nodes, "--ignore-not-found", check=False)
         tb.down()
     results = REPO / "bench" / "results" / f"{args.name}.json"
