@@ -17,7 +17,7 @@ NODES ?=
 
 .PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
-        cluster-down cluster-status dev dev-down bench-controlplane \
+        cluster-down cluster-status dev dev-down bench-controlplane bench-serving \
         image engine-image e2e-kind images images-smoke
 
 help: ## List targets
@@ -122,6 +122,9 @@ dev-down: ## Stop what `make dev` (either mode) started
 
 bench-controlplane: ## P1-P4 of docs/benchmarks.md on the test bed; last line is one JSON object
 	$(BIN)/python bench/controlplane.py $(BENCH_ARGS)
+
+bench-serving: ## P7 of docs/benchmarks.md: 1,000 resources Serving, then hung engines (BENCH_ARGS=--quick: 50); last line is one JSON object
+	$(BIN)/python bench/serving.py $(BENCH_ARGS)
 
 images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths
 	@$(HOSTREQS) ensure images

@@ -2,9 +2,10 @@
 
 - `Testbed`: the running test bed (started through its CLI when none is healthy).
 - `BenchOperator`: the operator as a `kopf run` process, logged in as the chart's own
-  ServiceAccount with the chart's RBAC, and with a FlowSchema of its own, so the API server's
+  ServiceAccount with the chart's RBAC, and with FlowSchemas of its own, so the API server's
   `apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}` counts exactly the
-  requests this process makes (watches included), apart from KubeRay's and the benchmark's.
+  requests this process makes (watches included), apart from KubeRay's and the benchmark's;
+  split by kind (`SCHEMAS`): Lease renewals, status writes, other writes, and the rest.
 - Process counters from /proc (RSS, CPU seconds) and small statistics helpers.
 """
 
@@ -34,6 +35,16 @@ from operator_proc import OperatorProcess, install_crd  # noqa: E402
 STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").resolve()
 TESTBED_PY = REPO / "tests" / "testbed" / "testbed.py"
 FLOW_SCHEMA = "vllmdp-bench-operator"
+_WRITES = ["create", "update", "patch", "delete", "deletecollection"]
+#: The operator's requests by kind: FlowSchema name suffix -> (precedence, verbs, resources).
+#: The lowest precedence matches first; the catch-all FLOW_SCHEMA takes what is left. Service
+#: proxy requests (the probes) never reach priority and fairness (the API server exempts
+#: long-running requests other than watches), so `proxy_requests` counts them instead.
+SCHEMAS: dict[str, tuple[int, list[str], list[str]]] = {
+    "leases": (470, _WRITES, ["leases"]),  # leader election's renewals
+    "status": (480, _WRITES, ["vllmdataparallels/status"]),
+    "writes": (490, _WRITES, ["*"]),
+}
 SYSTEM_NS = "vllmdp-bench-system"
 
 
@@ -46,6 +57,12 @@ def pct(values: Iterable[float], q: float) -> float:
 def median(values: Iterable[float]) -> float:
     """The median of some numbers."""
     return float(statistics.median(list(values)))
+
+
+def spread(values: Iterable[float]) -> tuple[float, float]:
+    """The smallest and the largest of some numbers (a median's spread over windows)."""
+    ordered = sorted(values)
+    return ordered[0], ordered[-1]
 
 
 class Testbed:
@@ -114,37 +131,41 @@ class BenchOperator:
         #: The VLLMDP_* settings of the running process, and the overrides of the defaults.
         self.settings: dict[str, str] = {}
         self.overrides: dict[str, str] = {}
+        self.probe = "off"
 
-    def setup(self) -> None:
+    def setup(self, probe: str = "off") -> None:
+        """The CRD, the chart's identity for a probe mode (VLLMDP_HEALTH_PROBE), FlowSchemas."""
+        self.probe = probe
         install_crd(self.tb)
         self.tb.kubectl("create", "namespace", SYSTEM_NS, check=False)
         self.identity = chartlib.apply_operator_identity(
-            self.tb.kubectl, "bench", SYSTEM_NS, (), ("healthProbe.mode=off",))
+            self.tb.kubectl, "bench", SYSTEM_NS, (), (f"healthProbe.mode={probe}",))
         self.kubeconfig = chartlib.operator_kubeconfig(
             self.tb.kubectl, self.identity, self.tb.kubeconfig, STATE / "bench-operator.kubeconfig")
-        every = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "namespaces": ["*"],
-                 "clusterScope": True}  # fmt: skip
-        schema = {
-            "apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
-            "metadata": {"name": FLOW_SCHEMA},
-            "spec": {
-                "matchingPrecedence": 500,
-                "priorityLevelConfiguration": {"name": "workload-high"},
-                "distinguisherMethod": {"type": "ByUser"},
-                "rules": [{
-                    "subjects": [{"kind": "ServiceAccount", "serviceAccount": {
-                        "name": self.identity.service_account, "namespace": SYSTEM_NS}}],
-                    "resourceRules": [every],
-                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
-                }],
-            },
-        }  # fmt: skip
-        self.tb.kubectl("apply", "-f", "-", input=yaml.safe_dump(schema))
+        subject = {"kind": "ServiceAccount", "serviceAccount": {
+            "name": self.identity.service_account, "namespace": SYSTEM_NS}}  # fmt: skip
+
+        def schema(name: str, precedence: int, verbs: list[str], resources: list[str],
+                   non_resource: bool) -> dict[str, Any]:  # fmt: skip
+            rule: dict[str, Any] = {"subjects": [subject], "resourceRules": [{
+                "verbs": verbs, "apiGroups": ["*"], "resources": resources,
+                "namespaces": ["*"], "clusterScope": True}]}  # fmt: skip
+            if non_resource:
+                rule["nonResourceRules"] = [{"verbs": ["*"], "nonResourceURLs": ["*"]}]
+            return {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema",
+                    "metadata": {"name": name},
+                    "spec": {"matchingPrecedence": precedence,
+                             "priorityLevelConfiguration": {"name": "workload-high"},
+                             "distinguisherMethod": {"type": "ByUser"}, "rules": [rule]}}
+
+        docs = [schema(FLOW_SCHEMA, 500, ["*"], ["*"], True)]
+        docs += [schema(f"{FLOW_SCHEMA}-{k}", p, v, r, False) for k, (p, v, r) in SCHEMAS.items()]
+        self.tb.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
     def start(self, **settings: str) -> None:
         self.overrides = settings
         env = {**self.tb.operator_env(), "KUBECONFIG": str(self.kubeconfig)}
-        self.settings = {**shipped_settings(**settings), "VLLMDP_HEALTH_PROBE": "off"}
+        self.settings = {**shipped_settings(**settings), "VLLMDP_HEALTH_PROBE": self.probe}
         # The chart's Role for the Lease is in the release namespace, as in a real install.
         self.proc = OperatorProcess(env, self.log, {**self.settings,
                                                     "VLLMDP_LEASE_NAMESPACE": SYSTEM_NS})
@@ -157,7 +178,9 @@ class BenchOperator:
 
     def teardown(self) -> None:
         self.stop()
-        self.tb.kubectl("delete", "flowschema", FLOW_SCHEMA, "--ignore-not-found", check=False)
+        self.tb.kubectl("delete", "flowschema", FLOW_SCHEMA,
+                        *(f"{FLOW_SCHEMA}-{k}" for k in SCHEMAS), "--ignore-not-found",
+                        check=False)  # fmt: skip
         chartlib.delete_operator_identity(self.tb.kubectl, self.identity)
 
     @property
@@ -192,10 +215,29 @@ _DISPATCHED = re.compile(
     r'^apiserver_flowcontrol_dispatched_requests_total\{([^}]*)\}\s+([0-9.e+]+)$', re.M)
 
 
-def operator_requests(metrics_text: str) -> float:
-    """Requests the API server dispatched for the operator's FlowSchema so far."""
-    total = 0.0
+def operator_requests_by_kind(metrics_text: str) -> dict[str, float]:
+    """Requests the API server dispatched for each of the operator's FlowSchemas so far:
+    "other" for the catch-all, else the keys of SCHEMAS (every key present)."""
+    names = {FLOW_SCHEMA: "other", **{f"{FLOW_SCHEMA}-{k}": k for k in SCHEMAS}}
+    out = dict.fromkeys(names.values(), 0.0)
     for labels, value in _DISPATCHED.findall(metrics_text):
-        if f'flow_schema="{FLOW_SCHEMA}"' in labels:
-            total += float(value)
-    return total
+        found = _FLOW_SCHEMA_LABEL.search(labels)
+        if found and found.group(1) in names:
+            out[names[found.group(1)]] += float(value)
+    return out
+
+
+_FLOW_SCHEMA_LABEL = re.compile(r'(?:^|,)flow_schema="([^"]*)"')
+_REQUESTS = re.compile(r'^apiserver_request_total\{([^}]*)\}\s+([0-9.e+]+)$', re.M)
+
+
+def proxy_requests(metrics_text: str) -> float:
+    """Service-proxy requests the API server answered so far, from every client (on the test
+    bed only the operator sends any: its probes and Ray job API calls)."""
+    return sum(float(value) for labels, value in _REQUESTS.findall(metrics_text)
+               if 'resource="services"' in labels and 'subresource="proxy"' in labels)
+
+
+def operator_requests(metrics_text: str) -> float:
+    """Requests the API server dispatched for the operator (all its FlowSchemas) so far."""
+    return sum(operator_requests_by_kind(metrics_text).values())

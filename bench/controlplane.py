@@ -109,7 +109,7 @@ def _added(log: WatchLog, kind: Any) -> dict[str, float]:
     return out
 
 
-def _children_done(log: WatchLog, names: set[str]) -> dict[str, float] | None:
+def children_done(log: WatchLog, names: set[str]) -> dict[str, float] | None:
     clusters, services = _added(log, RAYCLUSTER), _added(log, SERVICE)
     if not names <= clusters.keys() or not names <= services.keys():
         return None
@@ -144,8 +144,8 @@ async def p1_unloaded(b: Bench, rounds: int, items: int) -> dict[str, Any]:
                         start = time.perf_counter()
                         await b.pair(ns, bodies)
                     await log.wait_until(f"children of {name}",
-                                         lambda n=name: _children_done(log, {n}) is not None, 30)
-                    done = _children_done(log, {name})
+                                         lambda n=name: children_done(log, {n}) is not None, 30)
+                    done = children_done(log, {name})
                     assert done is not None
                     lat[mode].append(done[name] - start)
                     await asyncio.sleep(0.3)  # the operator's status write and event settle
@@ -182,8 +182,8 @@ async def _burst(b: Bench, mode: str, n: int) -> dict[str, float]:
             await writers(n, owner_then_pair)
         writes_done = time.perf_counter() - start
         await log.wait_until(f"all children ({mode})",
-                             lambda: _children_done(log, names) is not None, 600)  # fmt: skip
-        done = _children_done(log, names)
+                             lambda: children_done(log, names) is not None, 600)  # fmt: skip
+        done = children_done(log, names)
         assert done is not None
         cpu = b.op.cpu_seconds() - cpu0 if b.op.proc else 0.0
     b.drop(ns)
@@ -316,7 +316,7 @@ async def p3_scale(b: Bench, sizes: list[int], rest: float) -> dict[str, Any]:
             def converged(names: set[str] = names) -> bool:
                 phased = {s.name for s in log.seen if s.kind == VDP
                           and (s.obj.get("status") or {}).get("phase")}  # fmt: skip
-                return names <= phased and _children_done(log, names) is not None
+                return names <= phased and children_done(log, names) is not None
 
             start = time.perf_counter()
             await writers(size - done_before, lambda i, d=done_before: b.owner(ns, f"s{d + i}"))

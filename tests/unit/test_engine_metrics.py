@@ -62,3 +62,22 @@ def test_a_cut_response_loses_only_its_partial_last_line() -> None:
 def test_missing_ranks_and_their_text() -> None:
     assert missing_ranks(parse_engine_loads(SAMPLE), data_parallel_size=4) == [2, 3]
     assert ranks_text([7, 0, 2, 3, 4]) == "0, 2-4, 7"
+
+
+def test_wanted_lines_are_found_anywhere_and_the_rest_is_skipped_unread() -> None:
+    # The parser searches for the families' line starts instead of splitting every line: a
+    # wanted line first in the text, last without a newline, after CRLF line ends, or
+    # between histogram lines that mention a wanted name in a label, is read all the same.
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\r\n'
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",note="vllm:num_requests_'
+        'waiting{engine=\\"0\\"} 9"} 4.0\r\n'
+        '# HELP vllm:num_requests_waiting Number of requests waiting.\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 3.0\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5'
+    )
+    assert parse_engine_loads(text) == {
+        0: EngineLoad(0, running=2, waiting=1, kv_cache_usage=0.0),
+        1: EngineLoad(1, running=3, waiting=0, kv_cache_usage=0.5),
+    }

@@ -498,6 +498,10 @@ class Layout(ApiModel):
     gpu_pods: int = Field(description="Number of GPU pods, head included.")
     gpus_per_pod: int = Field(description="GPUs requested by each pod.")
     total_gpus: int = Field(description="GPUs requested in all.")
+    api_servers: int | None = Field(
+        default=None,
+        description="vLLM API server processes on the head pod (its --api-server-count).",
+    )
     pods: list[PodLayout] = Field(default_factory=list, description="Per-pod placement.")
 
 
