@@ -101,8 +101,9 @@ ANNOTATION_RETIRE_STARTED: Final = f"{GROUP}/retire-started-at"
 ANNOTATION_STOP_REQUESTED: Final = f"{GROUP}/stop-requested-at"
 # Ray job stop: SIGTERM, then SIGKILL after this many seconds (Ray's job supervisor).
 RAY_JOB_STOP_WAIT_ENV: Final = "RAY_JOB_STOP_WAIT_TIME_S"
-#: Where the launcher also writes its stage lines: the head container's stdout, so its log.
-STAGE_REPORT_PATH: Final = "/proc/1/fd/1"
+#: Where the launcher also writes its stage lines: the head container's stdout, so its log
+#: (vllm_dp_launcher.report.CONTAINER_STDOUT).
+STAGE_REPORT_PATH: Final = "container-stdout"
 #: The Ray head container KubeRay runs (render/raycluster.py), whose log the operator follows.
 HEAD_CONTAINER: Final = "ray-head"
 

@@ -117,9 +117,15 @@ def launch_of(v: Vdp, label: str, applied: float, joined: bool) -> timeline.Laun
     log = v.cluster.kubectl("logs", pods["head"]["metadata"]["name"], "-n", v.ns, "-c",
                             "ray-head").stdout  # fmt: skip
     stages = timeline.stage_times(log, job)
-    assert {timeline.ENGINE_STARTING, timeline.SERVING} <= set(stages), (
-        f"the launcher's stage lines for {job} are not in the head container's log:\n"
-        f"{log[-3000:]}")
+    if not {timeline.ENGINE_STARTING, timeline.SERVING} <= set(stages):
+        sid = v.rayjob(job)["status"]["jobId"]  # type: ignore[index]
+        head = pods["head"]["metadata"]["name"]
+        proc1 = v.cluster.exec(v.ns, head, "sh", "-c", "id; ls -l /proc/1/fd/1; "
+                               "tr '\\0' ' ' < /proc/1/cmdline", check=False)  # fmt: skip
+        raise AssertionError(
+            f"the launcher's stage lines for {job} are not in the head container's log:\n"
+            f"{log[-2000:]}\n--- its Ray job log:\n{v.job_logs(sid)[-3000:]}\n--- the head "
+            f"container's PID 1:\n{proc1.stdout}{proc1.stderr}")  # fmt: skip
     routed = v.wait("the route seen by the watch", lambda: ROUTES[0].routed_after(
         stages[timeline.SERVING] - 5), 30)  # fmt: skip
     nodes = http(v.dashboard_url("/api/v0/nodes?detail=1&limit=100"), timeout=10,

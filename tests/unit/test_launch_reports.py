@@ -107,3 +107,17 @@ def test_the_launcher_writes_stage_lines_with_its_job_where_the_head_job_says(tm
     assert report.report_handler({report.REPORT_ENV: str(path)}, "%(message)s") is None
     assert report.report_handler({**env, report.REPORT_ENV: str(tmp_path / "no" / "x")},
                                  "%(message)s") is None  # fmt: skip
+
+
+def test_the_containers_stdout_is_its_main_process_not_pid_1(tmp_path) -> None:
+    """KubeRay's pods share one process namespace: PID 1 is the pause process; the launcher's
+    oldest ancestor with parent 0 is the container's main process."""
+    for pid, comm, ppid in ((1, "pause", 0), (13, "bash", 0), (50, "ray (start) x", 13),
+                            (77, "raylet", 50), (90, "python", 77)):  # fmt: skip
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) S {ppid} 1 1 0 -1\n")
+    assert report.container_stdout(90, tmp_path) == tmp_path / "13" / "fd" / "1"
+    # An ancestor that cannot be read ends the walk there (its child is the oldest seen).
+    (tmp_path / "13" / "stat").unlink()
+    assert report.container_stdout(90, tmp_path) == tmp_path / "50" / "fd" / "1"
+    assert report.container_stdout(4242, tmp_path) is None

@@ -305,7 +305,7 @@ def test_head_job_tells_the_launcher_where_to_report_and_as_which_job() -> None:
     job = job_of(BASE)
     env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
     assert env["VLLMDP_HEAD_JOB"] == job["metadata"]["name"]
-    assert env["VLLMDP_STAGE_REPORT"] == "/proc/1/fd/1"  # the head container's own log
+    assert env["VLLMDP_STAGE_REPORT"] == "container-stdout"  # the head container's own log
 
 
 def test_head_job_records_the_head_pod_it_runs_on() -> None:
