@@ -20,7 +20,7 @@ from vllm_dp_operator.controller.cache import (
     slim,
 )
 from vllm_dp_operator.controller.informer import RETRY_CAP_SECONDS, Reflector
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, Kind
+from vllm_dp_operator.controller.kube import ENDPOINTSLICE, POD, RAYCLUSTER, RAYJOB, SERVICE, Kind
 
 
 def obj(name: str, instance: str = "demo", rv: str = "1", uid: str | None = None,
@@ -107,6 +107,22 @@ def test_select_reads_the_label_index_and_filters_every_term() -> None:
     assert copy_ is not None
     copy_["metadata"]["labels"].clear()  # the reconcile may change what it reads
     assert cache.select(POD, "default", {c.LABEL_RAY_CLUSTER: "demo-abcde"})
+
+
+def test_a_reconciles_selectors_read_an_index_not_every_cached_object() -> None:
+    # At 10,000 resources a scan of a kind is 10,000 objects per reconcile: every selector the
+    # reconcile makes (instance, Ray cluster, and routing's Service name) reads one bucket.
+    class NoScan(dict[Any, Any]):
+        def items(self) -> Any:
+            raise AssertionError("scanned every cached object")
+
+    cache = ObjectCache([ENDPOINTSLICE])
+    for name, service in (("a-api", "a-api"), ("b-api", "b-api"), ("a-mirror", "a-api")):
+        cache.upsert(ENDPOINTSLICE, obj(name, labels={c.LABEL_SERVICE_NAME: service}))
+    cache._objects[ENDPOINTSLICE] = NoScan(cache._objects[ENDPOINTSLICE])
+    found = cache.select(ENDPOINTSLICE, "default", {c.LABEL_SERVICE_NAME: "a-api"})
+    assert [s["metadata"]["name"] for s in found] == ["a-api", "a-mirror"]
+    assert cache.select(ENDPOINTSLICE, "default", {c.LABEL_INSTANCE: "demo"})
 
 
 def test_a_watch_event_before_our_write_never_overwrites_its_answer() -> None:

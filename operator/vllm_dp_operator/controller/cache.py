@@ -37,7 +37,11 @@ Obj = dict[str, Any]
 #: Every child the operator makes carries this label; watches select on it server-side.
 MANAGED_SELECTOR = f"{c.LABEL_MANAGED_BY}={c.MANAGER}"
 #: Labels the cache indexes, so a selector on one of them reads one bucket, not a namespace.
-INDEXED_LABELS = (c.LABEL_INSTANCE, c.LABEL_RAY_CLUSTER)
+#: Every selector a reconcile makes is on one of them: the Service's name is how routing
+#: finds slices of other managers (unindexed, every reconcile sorted every cached slice), and
+#: Kueue's job uid finds a queued cluster's Workload.
+INDEXED_LABELS = (c.LABEL_INSTANCE, c.LABEL_RAY_CLUSTER, c.LABEL_SERVICE_NAME,
+                  c.LABEL_KUEUE_JOB_UID)  # fmt: skip
 _META_KEPT = ("name", "namespace", "uid", "resourceVersion", "generation", "labels",
               "ownerReferences", "deletionTimestamp", "creationTimestamp")  # fmt: skip
 _DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)
