@@ -34,6 +34,9 @@ from operator_proc import OperatorProcess, install_crd  # noqa: E402
 STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").resolve()
 TESTBED_PY = REPO / "tests" / "testbed" / "testbed.py"
 FLOW_SCHEMA = "vllmdp-bench-operator"
+#: The operator's Lease requests, counted apart (the leader renews every 2 s: about 1 request
+#: a second that no number of resources changes).
+LEASE_FLOW_SCHEMA = "vllmdp-bench-operator-lease"
 SYSTEM_NS = "vllmdp-bench-system"
 
 
@@ -139,7 +142,12 @@ class BenchOperator:
                 }],
             },
         }  # fmt: skip
-        self.tb.kubectl("apply", "-f", "-", input=yaml.safe_dump(schema))
+        lease = {**schema, "metadata": {"name": LEASE_FLOW_SCHEMA}, "spec": {
+            **schema["spec"], "matchingPrecedence": 400,
+            "rules": [{**schema["spec"]["rules"][0], "nonResourceRules": [], "resourceRules": [
+                {"verbs": ["*"], "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                 "namespaces": ["*"]}]}]}}  # fmt: skip
+        self.tb.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([schema, lease]))
 
     def start(self, **settings: str) -> None:
         self.overrides = settings
@@ -157,7 +165,8 @@ class BenchOperator:
 
     def teardown(self) -> None:
         self.stop()
-        self.tb.kubectl("delete", "flowschema", FLOW_SCHEMA, "--ignore-not-found", check=False)
+        self.tb.kubectl("delete", "flowschema", FLOW_SCHEMA, LEASE_FLOW_SCHEMA,
+                        "--ignore-not-found", check=False)  # fmt: skip
         chartlib.delete_operator_identity(self.tb.kubectl, self.identity)
 
     @property
@@ -192,10 +201,12 @@ _DISPATCHED = re.compile(
     r'^apiserver_flowcontrol_dispatched_requests_total\{([^}]*)\}\s+([0-9.e+]+)$', re.M)
 
 
-def operator_requests(metrics_text: str) -> float:
-    """Requests the API server dispatched for the operator's FlowSchema so far."""
+def operator_requests(metrics_text: str, schemas: tuple[str, ...] = (FLOW_SCHEMA,
+                                                                     LEASE_FLOW_SCHEMA)) -> float:
+    """Requests the API server dispatched for the operator's FlowSchemas so far (by default
+    all of them, the Lease's included)."""
     total = 0.0
     for labels, value in _DISPATCHED.findall(metrics_text):
-        if f'flow_schema="{FLOW_SCHEMA}"' in labels:
+        if any(f'flow_schema="{schema}"' in labels for schema in schemas):
             total += float(value)
     return total
