@@ -105,3 +105,28 @@ async def test_kopf_lists_the_resource_kind_in_pages(monkeypatch: Any) -> None:
     # Writes nothing of its own, as before: no Events, no diff base.
     assert settings.posting.enabled is False
     assert isinstance(settings.persistence.diffbase_storage, handlers._NoDiffBase)
+
+
+async def test_kopf_object_workers_let_go_of_a_body_soon_after_its_event() -> None:
+    # kopf's worker for one object waits for its next event holding the last body as the API
+    # sent it: with kopf's 5 s, a start with 10,000 resources held thousands at once.
+    from kopf._core.reactor import queueing
+
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings)
+    key: Any = ("vllmdataparallels", "uid-1")
+    streams: Any = {key: queueing.Stream(backlog=asyncio.Queue(), pressure=asyncio.Event())}
+    seen: list[Any] = []
+
+    async def processor(*, raw_event: Any, **_: Any) -> None:
+        seen.append(raw_event["object"]["metadata"]["name"])
+
+    streams[key].backlog.put_nowait({"type": None, "object": {"metadata": {"name": "demo"}}})
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    # kopf's default (5 s) would outlive this wait.
+    await asyncio.wait_for(queueing.worker(signaller=asyncio.Condition(), settings=settings,
+                                           processor=processor, streams=streams, key=key),
+                           timeout=3)  # fmt: skip
+    assert seen == ["demo"] and key not in streams
+    assert loop.time() - start < 3
