@@ -130,7 +130,7 @@ TABLE: tuple[Need, ...] = (
     _n("unshare", "util-linux", "cluster images kwok", "private mount namespaces"),
     _n("nsenter", "util-linux", "cluster", "cluster tier: DNS as KubeRay sees it"),
     _n("getent", "libc-bin", "cluster", "cluster tier: DNS as KubeRay sees it"),
-    _n("zstd", "zstd", "cluster images", "compressed layers (oci.py, imagebuild)"),
+    _n("zstd", "zstd", "cluster images kind", "compressed layers (oci.py, imagebuild)"),
     _n("debootstrap", "debootstrap", "images", "the images' Debian base (imagefs)"),
     _n("gpgv", "gpgv", "images", "debootstrap checks the archive's signature"),
     _n("/usr/share/keyrings/debian-archive-keyring.gpg", "debian-archive-keyring", "images",
