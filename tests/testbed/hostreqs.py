@@ -121,7 +121,7 @@ TABLE: tuple[Need, ...] = (
        "the NetworkPolicy enforcer's address sets (kube-router's firewall; netpolicy)"),
     _n("/usr/bin/containerd", "containerd", "cluster", "each node's runtime (realnodes)"),
     _n("/usr/bin/ctr", "containerd", "cluster", "image import, container cleanup (realnodes)"),
-    _n("runc", "runc", "cluster", "containerd's OCI runtime"),
+    _n("runc", "runc", "cluster kind", "containerd's OCI runtime; the kind tier's dockerd's"),
     _n("/usr/lib/cni/bridge", "containernetworking-plugins", "cluster", "each node's pod bridge"),
     _n("/usr/lib/cni/host-local", "containernetworking-plugins", "cluster", "pod addresses"),
     _n("/usr/lib/cni/loopback", "containernetworking-plugins", "cluster", "pod loopback"),

@@ -46,6 +46,42 @@ CONTAINERD_NS = "vllmdp-kind"
 # dockerd 20.10 writes its trust key here whatever its other paths (no flag moves it); `stop`
 # removes it when `start` found none.
 TRUST_KEY = Path("/etc/docker/key.json")
+# The runtime dockerd hands containers to: runc, after dropping from the container's (or an
+# exec'd process's) capability sets what this host's bounding set lacks. Docker 20.10 grants a
+# `--privileged` container every capability it knows, and kind's nodes are privileged; where
+# root itself lacks one (CAP_SYS_RESOURCE on some hosts), runc refuses the whole container
+# ("unable to apply caps"). containerd 1.6, in the nodes, already grants only what it has.
+RUNTIME = "vllmdp-runc"
+RUNTIME_WRAPPER = """#!/usr/bin/python3
+import json, os, sys
+CAPS = ("CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP "
+        "LINUX_IMMUTABLE NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER "
+        "SYS_MODULE SYS_RAWIO SYS_CHROOT SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE "
+        "SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE AUDIT_WRITE AUDIT_CONTROL SETFCAP "
+        "MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ PERFMON BPF "
+        "CHECKPOINT_RESTORE").split()
+bnd = int(next(l for l in open("/proc/self/status") if l.startswith("CapBnd:")).split()[1], 16)
+have = {"CAP_" + c for i, c in enumerate(CAPS) if bnd >> i & 1}
+def trim(path, key):
+    with open(path) as f:
+        doc = json.load(f)
+    caps = (doc.get(key, doc) if key else doc).get("capabilities")
+    if not caps:
+        return
+    for k, v in caps.items():
+        caps[k] = [c for c in v if c in have or c.removeprefix("CAP_") not in CAPS]
+    with open(path, "w") as f:
+        json.dump(doc, f)
+args = sys.argv[1:]
+for i, a in enumerate(args):
+    if a in ("--bundle", "-b") and i + 1 < len(args):
+        trim(os.path.join(args[i + 1], "config.json"), "process")
+    elif a.startswith("--bundle="):
+        trim(os.path.join(a.split("=", 1)[1], "config.json"), "process")
+    elif a in ("--process", "-p") and i + 1 < len(args):
+        trim(args[i + 1], None)
+os.execv("@RUNC@", ["runc", *args])
+"""
 OUR_CHAINS = re.compile(r"^:((DOCKER|KIND)\S*)")
 
 
@@ -151,6 +187,9 @@ def start(p: Paths | None = None, timeout: float = 60) -> Paths:
         d.mkdir(parents=True, exist_ok=True)
     config = p.root / "daemon.json"
     config.write_text("{}\n")  # never the host's /etc/docker/daemon.json
+    wrapper = p.root / RUNTIME
+    wrapper.write_text(RUNTIME_WRAPPER.replace("@RUNC@", hostreqs.command_path("runc")))
+    wrapper.chmod(0o755)
     p.record.write_text(json.dumps({"chains_before": _chains(), "docker0": _has_link("docker0"),
                                     "run_containerd": Path("/run/containerd").exists(),
                                     "trust_key": TRUST_KEY.exists()}))
@@ -160,6 +199,7 @@ def start(p: Paths | None = None, timeout: float = 60) -> Paths:
             "--bridge=none", "--iptables=false", "--ip-masq=false", "--ip-forward=false",
             f"--cgroup-parent={CGROUP_PARENT}", f"--containerd-namespace={CONTAINERD_NS}",
             f"--containerd-plugins-namespace={CONTAINERD_NS}-plugins",
+            f"--add-runtime={RUNTIME}={wrapper}", f"--default-runtime={RUNTIME}",
             "--storage-driver=overlay2"]  # fmt: skip
     t0 = time.monotonic()
     with p.log.open("ab") as out:
