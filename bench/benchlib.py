@@ -45,6 +45,9 @@ SCHEMAS: dict[str, tuple[int, list[str], list[str]]] = {
     "status": (480, _WRITES, ["vllmdataparallels/status"]),
     "writes": (490, _WRITES, ["*"]),
 }
+#: The Lease's renewals, counted apart (about 1 request a second that no number of resources
+#: changes).
+LEASES = "leases"
 SYSTEM_NS = "vllmdp-bench-system"
 
 
@@ -238,6 +241,8 @@ def proxy_requests(metrics_text: str) -> float:
                if 'resource="services"' in labels and 'subresource="proxy"' in labels)
 
 
-def operator_requests(metrics_text: str) -> float:
-    """Requests the API server dispatched for the operator (all its FlowSchemas) so far."""
-    return sum(operator_requests_by_kind(metrics_text).values())
+def operator_requests(metrics_text: str, kinds: tuple[str, ...] | None = None) -> float:
+    """Requests the API server dispatched for the operator so far: all its FlowSchemas, or
+    those of `kinds` (keys of operator_requests_by_kind, e.g. LEASES)."""
+    by_kind = operator_requests_by_kind(metrics_text)
+    return sum(v for k, v in by_kind.items() if kinds is None or k in kinds)

@@ -1,21 +1,25 @@
-"""End to end on kind: real images, real KubeRay, real Ray; only vLLM is a double.
+"""End to end on kind: real images, real KubeRay, real Ray; vLLM a double, then vLLM itself.
 
-Flow: create a kind cluster -> build and load the operator image and the engine-double image
-(built FROM the engine image) -> install KubeRay 1.7.0 and our chart -> advertise
-nvidia.com/gpu on the nodes (status patch; no real GPUs) -> apply a VLLMDataParallel ->
-wait for phase Serving -> an OpenAI request through the Service (port-forward) -> delete it
-and check the children are garbage-collected.
+The cluster is the kind tier's (tests/testbed/kindbed.py): two kind nodes on the tier's own
+Docker engine from the node image built here, `nvidia.com/gpu` on the nodes' status, the
+operator, engine-double and CPU engine test images loaded with `kind load image-archive`, and
+KubeRay at versions.env's KUBERAY_VERSION. Here the chart is installed with helm, then:
+- DP=2 on the engine double reaches Serving, answers a completion through its Service
+  (port-forward) and is deleted with its children;
+- examples/dev-cpu.yaml, as checked in, on vLLM's CPU engines reaches Serving and answers a
+  completion through its Service.
 
-Needs Docker, kind, kubectl and network access (KubeRay's chart and operator image, the base
-images). Skips with the reason when Docker or kind is missing. Knobs (docs/install.md):
+`make e2e-kind` runs it (root: the tier starts its own dockerd); it skips, saying why, where
+the tier's Docker cannot run (not root, no dockerd and no apt-get). The cluster is removed
+afterwards (`make e2e-kind-down` does the same by hand). Knobs (docs/install.md):
 
-  VLLMDP_E2E_CLUSTER        kind cluster name (default vllmdp-e2e)
-  VLLMDP_E2E_KEEP=1         keep the cluster afterwards (and reuse one that exists)
-  VLLMDP_E2E_ENGINE=real    use the real engine image and model on a cluster that has GPUs:
-                            no kind, no GPU patch; images must be pullable by that cluster
-  VLLMDP_E2E_OPERATOR_IMAGE / VLLMDP_E2E_ENGINE_IMAGE / VLLMDP_E2E_MODEL
-  VLLMDP_E2E_KUBERAY_CHART  path of a local kuberay-operator-1.7.0.tgz (offline install)
-  VLLMDP_E2E_SKIP_KUBERAY=1 the cluster already runs KubeRay 1.7.0; do not install it
+  KIND_NODE_IMAGE=<ref>     use that node image (an upstream kindest/node on a host that can
+                            pull it) instead of the one built here
+  VLLMDP_E2E_KEEP=1         keep the cluster afterwards (and reuse one that is up)
+  VLLMDP_E2E_ENGINE=real    a GPU user's cluster (the current kube context) with KubeRay
+                            installed, images pullable there: the double test only, with the
+                            real engine image and model
+  VLLMDP_E2E_OPERATOR_IMAGE / VLLMDP_E2E_ENGINE_IMAGE / VLLMDP_E2E_MODEL (real mode)
   VLLMDP_E2E_TIMEOUT        seconds to wait for Serving (default 900)
 """
 
@@ -24,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -39,44 +42,31 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testbed"))
 import chartlib
 
 pytestmark = pytest.mark.kind
 
 REPO = chartlib.REPO
 REAL = os.environ.get("VLLMDP_E2E_ENGINE", "double") == "real"
-CLUSTER = os.environ.get("VLLMDP_E2E_CLUSTER", "vllmdp-e2e")
 KEEP = os.environ.get("VLLMDP_E2E_KEEP") == "1"
-OPERATOR_IMAGE = os.environ.get("VLLMDP_E2E_OPERATOR_IMAGE", "vllm-dp-operator:e2e")
+OPERATOR_IMAGE = os.environ.get("VLLMDP_E2E_OPERATOR_IMAGE", "vllm-dp-operator:dev")
 ENGINE_IMAGE = os.environ.get("VLLMDP_E2E_ENGINE_IMAGE", "vllm-dp-engine:0.1.0")
-DOUBLE_IMAGE = "vllm-dp-engine-double:e2e"
+DOUBLE_IMAGE = "vllm-dp-engine-double:dev"
 MODEL = os.environ.get("VLLMDP_E2E_MODEL",
                        "Qwen/Qwen2.5-0.5B-Instruct" if REAL else "e2e/double-model")
 SERVED = "e2e-model"
 TIMEOUT = float(os.environ.get("VLLMDP_E2E_TIMEOUT", "900"))
-KUBERAY_VERSION = "1.7.0"
-KUBERAY_REPO = "https://ray-project.github.io/kuberay-helm/"
 OPERATOR_NS = "vllm-dp-system"
-APP_NS = "vllmdp-e2e"
+RELEASE = "vdp"
+DOUBLE_NS = "e2e-double"
+CPU_NS = "e2e-cpu"
 NAME = "e2e"
-GPUS_PER_NODE = 2
-
-
-def _which_or_skip(tool: str, hint: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        pytest.skip(f"{tool} not found on PATH: {hint}")
-    return path
-
-
-def _run(*cmd: str, check: bool = True, timeout: float = 600, input: str | None = None,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                          input=input, env=env, check=False)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed (rc={proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
+CPU_EXAMPLE = REPO / "examples" / "dev-cpu.yaml"
+# The chart's values for a cluster whose images are local (never pulled) and whose two nodes
+# have 2 CPUs each: the operator asks for no CPU (the Ray head takes all of one node).
+LOCAL_VALUES = ("image.pullPolicy=Never", "resources.requests.cpu=0",
+                "healthProbe.mode=service-dns")  # fmt: skip
 
 
 @dataclass
@@ -86,31 +76,44 @@ class Cluster:
     kubeconfig: Path
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return _run(self.kubectl_bin, f"--kubeconfig={self.kubeconfig}", *args, check=check,
-                    input=input, timeout=timeout)
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        proc = subprocess.run([self.kubectl_bin, f"--kubeconfig={self.kubeconfig}", *args],
+                              capture_output=True, text=True, timeout=timeout,
+                              input=input)  # fmt: skip
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed (rc={proc.returncode}):\n"
+                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")  # fmt: skip
+        return proc
 
     def json(self, *args: str) -> Any:
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
 
     def helm(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        return _run(self.helm_bin, f"--kubeconfig={self.kubeconfig}", *args, timeout=timeout)
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+        proc = subprocess.run([self.helm_bin, *args], capture_output=True, text=True,
+                              timeout=timeout, env=env)  # fmt: skip
+        if proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed (rc={proc.returncode}):\n"
+                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")  # fmt: skip
+        return proc
 
-    def diagnostics(self) -> str:
-        """What to look at when the flow fails: the resource, children, pods, logs, events."""
+    def diagnostics(self, ns: str, name: str) -> str:
+        """What to look at when a wait fails: the resource, children, pods, logs, events."""
         parts = []
         for args in (
-            ("get", "vllmdataparallels.vllmdp.io", "-A", "-o", "yaml"),
+            ("get", "vllmdataparallels.vllmdp.io", "-n", ns, "-o", "yaml"),
             ("get", "rayclusters.ray.io,rayjobs.ray.io,svc,pods", "-A", "-o", "wide"),
-            ("logs", f"deployment/{NAME}-op-vllm-dp-operator", "-n", OPERATOR_NS, "--tail=200"),
-            ("get", "events", "-n", APP_NS, "--sort-by=.lastTimestamp"),
+            ("logs", f"deployment/{RELEASE}-vllm-dp-operator", "-n", OPERATOR_NS, "--tail=100"),
+            ("logs", "-n", ns, "-l", f"app.kubernetes.io/instance={name}", "--tail=60",
+             "--all-containers", "--prefix"),
+            ("get", "events", "-n", ns, "--sort-by=.lastTimestamp"),
         ):
             proc = self.kubectl(*args, check=False)
             parts.append(f"$ kubectl {' '.join(args)}\n{proc.stdout[-6000:]}{proc.stderr[-2000:]}")
         return "\n".join(parts)
 
 
-def _wait(what: str, check: Any, timeout: float, cluster: Cluster, interval: float = 3) -> Any:
+def _wait(what: str, check: Any, timeout: float, explain: Any, interval: float = 3) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -123,11 +126,7 @@ def _wait(what: str, check: Any, timeout: float, cluster: Cluster, interval: flo
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}\n"
-                         f"{cluster.diagnostics()}")
-
-
-def _docker_build(*args: str) -> None:
-    _run("docker", "build", *args, timeout=3600)
+                         f"{explain()}")  # fmt: skip
 
 
 def _helm_or_skip() -> str:
@@ -138,106 +137,46 @@ def _helm_or_skip() -> str:
         pytest.skip(f"helm unavailable (tests/chart/ensure_helm.sh needs Go): {exc}")
 
 
+def _kind_tier_or_skip() -> None:
+    """Skip, saying why, where this tier's own Docker engine cannot run; nothing else skips."""
+    import hostreqs
+
+    if os.geteuid() != 0:
+        pytest.skip("the kind tier starts its own Docker engine (dockerd): run it as root")
+    try:
+        hostreqs.ensure_uses("kind")
+    except hostreqs.MissingHostCommand as exc:
+        pytest.skip(f"the kind tier's host commands are missing: {exc}")
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster() -> Iterator[Cluster]:
     if REAL:
         # A GPU user's cluster: the current kube context, images from a registry it can pull.
-        kubectl = _which_or_skip("kubectl", "install kubectl (kubernetes.io/docs/tasks/tools)")
         kubeconfig = Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
-        yield Cluster(kubectl, _helm_or_skip(), kubeconfig)
+        yield Cluster("kubectl", _helm_or_skip(), kubeconfig)
         return
-
-    # Cheap checks first: skip before building anything.
-    _which_or_skip("docker", "install Docker (the kind tier runs Kubernetes in containers)")
-    info = _run("docker", "info", check=False, timeout=60)
-    if info.returncode != 0:
-        pytest.skip(f"`docker info` failed (no reachable Docker daemon): "
-                    f"{info.stderr.strip()[-500:]}")
-    kind = _which_or_skip("kind", "go install sigs.k8s.io/kind@latest (or see kind.sigs.k8s.io)")
-    kubectl = _which_or_skip("kubectl", "install kubectl (kubernetes.io/docs/tasks/tools)")
+    _kind_tier_or_skip()
     helm = _helm_or_skip()
+    import kindbed
 
-    kubeconfig = tmp_path_factory.mktemp("kind") / "kubeconfig"
-    existing = _run(kind, "get", "clusters", check=False).stdout.split()
-    created = False
-    if CLUSTER not in existing:
-        _run(kind, "create", "cluster", f"--name={CLUSTER}", "--wait=180s",
-             f"--kubeconfig={kubeconfig}", timeout=900)
-        created = True
-    else:
-        kubeconfig.write_text(_run(kind, "get", "kubeconfig", f"--name={CLUSTER}").stdout)
     try:
-        _docker_build("-t", OPERATOR_IMAGE, str(REPO))
-        _docker_build("-t", ENGINE_IMAGE, str(REPO / "engine_image"))
-        _docker_build("-f", str(REPO / "tests" / "e2e" / "engine-double.Dockerfile"),
-                      f"--build-arg=ENGINE_IMAGE={ENGINE_IMAGE}", "-t", DOUBLE_IMAGE, str(REPO))
-        # The double carries the engine image's layers; loading the engine image itself would
-        # only add transfer time, since nothing here runs it.
-        for image in (OPERATOR_IMAGE, DOUBLE_IMAGE):
-            _run(kind, "load", "docker-image", image, f"--name={CLUSTER}", timeout=3600)
-        yield Cluster(kubectl, helm, kubeconfig)
+        bed = kindbed.up()
+        c = Cluster(str(bed.kubectl_bin), helm, bed.kubeconfig)
+        _install_operator(c)
+        yield c
     finally:
-        if created and not KEEP:
-            _run(kind, "delete", "cluster", f"--name={CLUSTER}", check=False, timeout=300)
-
-
-def _advertise_fake_gpus(c: Cluster) -> None:
-    """Patch node status with nvidia.com/gpu capacity (the documented way to advertise an
-    extended resource); the kubelet then reports it as allocatable. No device plugin is
-    involved, so pods requesting it are admitted without devices, which the double needs."""
-    patch = json.dumps([{"op": "add", "path": "/status/capacity/nvidia.com~1gpu",
-                         "value": str(GPUS_PER_NODE)}])
-    nodes = c.kubectl("get", "nodes", "-o", "name").stdout.split()
-    for node in nodes:
-        c.kubectl("patch", node, "--subresource=status", "--type=json", f"-p={patch}")
-
-    def advertised() -> bool:
-        items = c.json("get", "nodes")["items"]
-        return all(n["status"].get("allocatable", {}).get("nvidia.com/gpu") == str(GPUS_PER_NODE)
-                   for n in items)
-
-    _wait("nvidia.com/gpu allocatable on every node", advertised, 60, c, interval=1)
-
-
-def _install_kuberay(c: Cluster) -> None:
-    if os.environ.get("VLLMDP_E2E_SKIP_KUBERAY") != "1":
-        _helm_install_kuberay(c)
-    for crd in ("rayclusters.ray.io", "rayjobs.ray.io"):
-        c.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=120s")
-
-
-def _helm_install_kuberay(c: Cluster) -> None:
-    local = os.environ.get("VLLMDP_E2E_KUBERAY_CHART")
-    source = [local] if local else ["kuberay-operator", f"--repo={KUBERAY_REPO}",
-                                    f"--version={KUBERAY_VERSION}"]
-    c.helm("upgrade", "--install", "kuberay-operator", *source, "--namespace=kuberay-system",
-           "--create-namespace", "--wait", "--timeout=10m")
+        if not KEEP:
+            left = kindbed.down()
+            assert left == [], f"`kindbed.py down` left these on the host: {left}"
 
 
 def _install_operator(c: Cluster) -> None:
     repo, _, tag = OPERATOR_IMAGE.rpartition(":")
-    engine = ENGINE_IMAGE if REAL else DOUBLE_IMAGE
-    c.helm("upgrade", "--install", f"{NAME}-op", str(chartlib.CHART),
-           f"--namespace={OPERATOR_NS}", "--create-namespace",
-           f"--set=image.repository={repo}", f"--set=image.tag={tag}",
-           f"--set=image.pullPolicy={'IfNotPresent' if REAL else 'Never'}",
-           f"--set=engineImage={engine}", "--wait", "--timeout=5m")
-
-
-def _resource() -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "model": MODEL,
-        "servedModelName": SERVED,
-        # Two Ray pods with one rank each: the head and one worker must join for a launch.
-        "dataParallel": {"size": 2, "ranksPerNode": 1},
-        "tensorParallelSize": 1,
-    }
-    if not REAL:
-        spec["image"] = DOUBLE_IMAGE
-        spec["resources"] = {"cpu": "1", "memory": "3Gi"}
-        spec["shmSize"] = "256Mi"
-    return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
-            "metadata": {"name": NAME, "namespace": APP_NS}, "spec": spec}
+    local = () if REAL else LOCAL_VALUES
+    c.helm("upgrade", "--install", RELEASE, str(chartlib.CHART), f"--namespace={OPERATOR_NS}",
+           "--create-namespace", f"--set=image.repository={repo}", f"--set=image.tag={tag}",
+           *(f"--set={v}" for v in local), "--wait", "--timeout=5m")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -248,7 +187,7 @@ def _port_forward(c: Cluster, target: str, namespace: str, remote: int) -> Itera
     proc = subprocess.Popen(
         [c.kubectl_bin, f"--kubeconfig={c.kubeconfig}", "port-forward", target,
          f"{local}:{remote}", "-n", namespace],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -270,46 +209,63 @@ def _port_forward(c: Cluster, target: str, namespace: str, remote: int) -> Itera
 def _http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as resp:
         return resp.status, json.loads(resp.read() or b"null")
 
 
 CHILD_KINDS = ("rayclusters.ray.io", "rayjobs.ray.io", "services")
 
 
-def _children(c: Cluster) -> dict[str, list[str]]:
+def _children(c: Cluster, ns: str, name: str) -> dict[str, list[str]]:
     """Names of the resource's children per kind (by the instance label), empty kinds left out."""
-    selector = f"app.kubernetes.io/instance={NAME}"
-    found = {kind: c.kubectl("get", kind, "-n", APP_NS, "-l", selector, "-o", "name")
-             .stdout.split() for kind in CHILD_KINDS}
+    selector = f"app.kubernetes.io/instance={name}"
+    found = {kind: c.kubectl("get", kind, "-n", ns, "-l", selector, "-o", "name").stdout.split()
+             for kind in CHILD_KINDS}  # fmt: skip
     return {kind: names for kind, names in found.items() if names}
 
 
-def test_serving_end_to_end(cluster: Cluster) -> None:
-    c = cluster
-    if not REAL:
-        _advertise_fake_gpus(c)
-    _install_kuberay(c)
-    _install_operator(c)
-    c.kubectl("create", "namespace", APP_NS, check=False)
-    c.kubectl("apply", "-f", "-", input=yaml.safe_dump(_resource()))
+def _apply_and_wait_serving(c: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
+    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    c.kubectl("create", "namespace", ns, check=False)
+    c.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
 
     def serving() -> dict[str, Any] | None:
-        obj = c.json("get", "vllmdataparallels.vllmdp.io", NAME, "-n", APP_NS)
+        obj: dict[str, Any] = c.json("get", "vllmdataparallels.vllmdp.io", name, "-n", ns)
         return obj if (obj.get("status") or {}).get("phase") == "Serving" else None
 
-    obj = _wait("phase Serving", serving, TIMEOUT, c, interval=5)
-    status = obj["status"]
-    assert status["endpoint"] == f"http://{NAME}-api.{APP_NS}.svc:8000/v1"
-    assert set(_children(c)) == set(CHILD_KINDS), _children(c)
+    return _wait(f"{ns}/{name} phase Serving", serving, TIMEOUT,  # type: ignore[no-any-return]
+                 lambda: c.diagnostics(ns, name), interval=5)  # fmt: skip
 
-    with _port_forward(c, f"svc/{NAME}-api", APP_NS, 8000) as port:
+
+def _double_resource() -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": MODEL,
+        "servedModelName": SERVED,
+        # Two Ray pods with one rank each: the head and one worker must join for a launch.
+        "dataParallel": {"size": 2, "ranksPerNode": 1},
+        "tensorParallelSize": 1,
+    }
+    if not REAL:
+        spec["image"] = DOUBLE_IMAGE
+        spec["resources"] = {"cpu": "1", "memory": "3Gi"}
+        spec["shmSize"] = "256Mi"
+    return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+            "metadata": {"name": NAME, "namespace": DOUBLE_NS}, "spec": spec}  # fmt: skip
+
+
+def test_dp2_on_the_engine_double_serves_and_deletes_cleanly(cluster: Cluster) -> None:
+    c = cluster
+    obj = _apply_and_wait_serving(c, _double_resource())
+    assert obj["status"]["endpoint"] == f"http://{NAME}-api.{DOUBLE_NS}.svc:8000/v1"
+    assert set(_children(c, DOUBLE_NS, NAME)) == set(CHILD_KINDS), _children(c, DOUBLE_NS, NAME)
+
+    with _port_forward(c, f"svc/{NAME}-api", DOUBLE_NS, 8000) as port:
         base = f"http://127.0.0.1:{port}"
         code, models = _http("GET", f"{base}/v1/models")
         assert code == 200 and SERVED in [m["id"] for m in models["data"]], models
         code, answer = _http("POST", f"{base}/v1/completions",
-                             {"model": SERVED, "prompt": "Say hi", "max_tokens": 4})
+                             {"model": SERVED, "prompt": "Say hi", "max_tokens": 4})  # fmt: skip
         assert code == 200 and answer["choices"], answer
         if not REAL:
             # The double recorded how the launcher started `vllm serve`.
@@ -320,9 +276,30 @@ def test_serving_end_to_end(cluster: Cluster) -> None:
             assert "--data-parallel-size 2" in joined or "--data-parallel-size=2" in joined, argv
             assert "ray" in joined and "--data-parallel-backend" in joined, argv
 
-    c.kubectl("delete", "vllmdataparallels.vllmdp.io", NAME, "-n", APP_NS, "--wait=true",
-              "--timeout=180s", timeout=240)
-    _wait("children garbage-collected", lambda: not _children(c), 180, c)
-    _wait("Ray pods gone",
-          lambda: not c.kubectl("get", "pods", "-n", APP_NS, "-l", "ray.io/cluster",
-                                "-o", "name").stdout.split(), 300, c)
+    c.kubectl("delete", "vllmdataparallels.vllmdp.io", NAME, "-n", DOUBLE_NS, "--wait=true",
+              "--timeout=180s", timeout=240)  # fmt: skip
+    explain = lambda: c.diagnostics(DOUBLE_NS, NAME)  # noqa: E731
+    _wait("children garbage-collected", lambda: not _children(c, DOUBLE_NS, NAME), 180, explain)
+    _wait("Ray pods gone", lambda: not c.kubectl(
+        "get", "pods", "-n", DOUBLE_NS, "-l", "ray.io/cluster", "-o", "name").stdout.split(),
+        300, explain)  # fmt: skip
+
+
+@pytest.mark.skipif(REAL, reason="the CPU example runs the test image built here (kind only)")
+def test_dev_cpu_example_on_vllm_cpu_engines_serves_a_completion(cluster: Cluster) -> None:
+    c = cluster
+    doc: dict[str, Any] = yaml.safe_load(CPU_EXAMPLE.read_text())
+    doc["metadata"]["namespace"] = CPU_NS
+    name = doc["metadata"]["name"]
+    served = doc["spec"]["servedModelName"]
+    t0 = time.monotonic()
+    _apply_and_wait_serving(c, doc)
+    sys.stderr.write(f"[kind] {name} Serving {time.monotonic() - t0:.0f}s after apply\n")
+    pods = c.json("get", "pods", "-n", CPU_NS, "-l", "ray.io/cluster")["items"]
+    assert len({p["spec"]["nodeName"] for p in pods}) == 2, [p["spec"]["nodeName"] for p in pods]
+    with _port_forward(c, f"svc/{name}-api", CPU_NS, 8000) as port:
+        code, out = _http("POST", f"http://127.0.0.1:{port}/v1/completions",
+                          {"model": served, "prompt": "hello world", "max_tokens": 4})  # fmt: skip
+    assert code == 200 and out["object"] == "text_completion" and out["model"] == served, out
+    assert out["usage"]["completion_tokens"] >= 1 and len(out["choices"]) == 1, out
+    c.kubectl("delete", "namespace", CPU_NS, "--wait=false", check=False)

@@ -63,7 +63,7 @@ KUEUE_MODULE = "sigs.k8s.io/kueue"
 NETPOL_RECIPE = "1"
 KUBE_ROUTER_PACKAGE = "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"
 # Pins whose binaries have a cache of their own, left out of the bin- and nodes- keys.
-OWN_CACHE_PINS = ("KUBE_ROUTER_VERSION", "KUEUE_VERSION")
+OWN_CACHE_PINS = ("KUBE_ROUTER_VERSION", "KUEUE_VERSION", "KIND_VERSION", "KIND_ETCD_VERSION")
 
 
 def without_own_pins(text: str) -> bytes:

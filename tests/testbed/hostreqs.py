@@ -49,10 +49,11 @@ USES = {
     "images": "test images with no Docker (make images, make dev, test-cluster)",
     "ray": "the Ray tier (test-ray: cutting one Ray node off)",
     "observability": "a real Prometheus scraping the operator (test-controlplane, test-cluster)",
-    "docker": "opt-in: make image, engine-image, e2e-kind",
+    "docker": "opt-in: make image, engine-image (the user's Docker)",
+    "kind": "opt-in: the kind tier (make e2e-kind): its own Docker engine, kind's nodes",
     "install": "apt-get, for `install` itself",
 }
-OPT_IN = ("docker", "install")
+OPT_IN = ("docker", "kind", "install")
 DEFAULT_USES = tuple(u for u in USES if u not in OPT_IN)
 GO = "the Go toolchain, `go` on PATH"
 GO_HINT = ("install Go from its release archive, at least the `go` line of tests/testbed/go.mod "
@@ -106,20 +107,21 @@ TABLE: tuple[Need, ...] = (
     _n("etcd", "etcd-server", "kwok cluster", "the beds' etcd (binaries.find_etcd)",
        override="VLLMDP_ETCD"),
     _n("openssl", "openssl", "kwok cluster", "the beds' CA and certificates (pki.py)"),
-    _n("ip", "iproute2", "kwok cluster images",
+    _n("ip", "iproute2", "kwok cluster images kind",
        "pod network namespace (podnet), addresses on lo (hostnet), image smoke loopback"),
     _n("nft", "nftables", "cluster", "the nftables tables iptables-nft makes (hostnet)"),
-    _n("iptables", "iptables", "cluster ray", "KUBE-*/CNI-* chains (hostnet); Ray node cut-off"),
+    _n("iptables", "iptables", "cluster ray kind",
+       "KUBE-*/CNI-* chains (hostnet); Ray node cut-off; the host's FORWARD policy (kinddocker)"),
     _n("ip6tables", "iptables", "cluster", "KUBE-*/CNI-* chains, IPv6 (hostnet)"),
-    _n("iptables-save", "iptables", "cluster", "finding our chains (hostnet)"),
-    _n("ip6tables-save", "iptables", "cluster", "finding our chains, IPv6 (hostnet)"),
+    _n("iptables-save", "iptables", "cluster kind", "finding our chains (hostnet, kinddocker)"),
+    _n("ip6tables-save", "iptables", "cluster kind", "finding our chains, IPv6 (hostnet)"),
     _n("iptables-restore", "iptables", "cluster", "kube-proxy's iptables mode"),
     _n("ip6tables-restore", "iptables", "cluster", "kube-proxy's iptables mode, IPv6"),
     _n("ipset", "ipset", "cluster",
        "the NetworkPolicy enforcer's address sets (kube-router's firewall; netpolicy)"),
     _n("/usr/bin/containerd", "containerd", "cluster", "each node's runtime (realnodes)"),
     _n("/usr/bin/ctr", "containerd", "cluster", "image import, container cleanup (realnodes)"),
-    _n("runc", "runc", "cluster", "containerd's OCI runtime"),
+    _n("runc", "runc", "cluster kind", "containerd's OCI runtime; the kind tier's dockerd's"),
     _n("/usr/lib/cni/bridge", "containernetworking-plugins", "cluster", "each node's pod bridge"),
     _n("/usr/lib/cni/host-local", "containernetworking-plugins", "cluster", "pod addresses"),
     _n("/usr/lib/cni/loopback", "containernetworking-plugins", "cluster", "pod loopback"),
@@ -128,7 +130,7 @@ TABLE: tuple[Need, ...] = (
     _n("unshare", "util-linux", "cluster images kwok", "private mount namespaces"),
     _n("nsenter", "util-linux", "cluster", "cluster tier: DNS as KubeRay sees it"),
     _n("getent", "libc-bin", "cluster", "cluster tier: DNS as KubeRay sees it"),
-    _n("zstd", "zstd", "cluster images", "compressed layers (oci.py, imagebuild)"),
+    _n("zstd", "zstd", "cluster images kind", "compressed layers (oci.py, imagebuild)"),
     _n("debootstrap", "debootstrap", "images", "the images' Debian base (imagefs)"),
     _n("gpgv", "gpgv", "images", "debootstrap checks the archive's signature"),
     _n("/usr/share/keyrings/debian-archive-keyring.gpg", "debian-archive-keyring", "images",
@@ -138,7 +140,8 @@ TABLE: tuple[Need, ...] = (
     _n("chmod", "coreutils", "images", "imagefs's chroot wrapper"),
     _n("tar", "tar", "images", "unpacking an image for its smoke checks (imagesmoke)"),
     _n("prometheus", "prometheus", "observability", "scrapes the operator and vLLM (promlib)"),
-    _n("docker", "docker.io", "docker", "make image, engine-image, e2e-kind"),
+    _n("docker", "docker.io", "docker kind", "make image, engine-image; the kind tier's CLI"),
+    _n("dockerd", "docker.io", "kind", "the kind tier's own Docker engine (kinddocker)"),
     _n("apt-get", "apt", "install", "`hostreqs.py install`"),
 )
 BY_NAME = {n.name: n for n in TABLE}

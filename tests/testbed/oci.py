@@ -61,6 +61,7 @@ class ImageConfig:
     workdir: str = "/"
     user: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    stop_signal: str | None = None  # e.g. systemd's SIGRTMIN+3 (the kind node image)
 
 
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -190,6 +191,8 @@ def image_config(layers: Sequence[Layer], config: ImageConfig) -> dict[str, Any]
         runtime["User"] = config.user
     if config.labels:
         runtime["Labels"] = dict(config.labels)
+    if config.stop_signal:
+        runtime["StopSignal"] = config.stop_signal
     return {
         "architecture": _arch(),
         "os": "linux",

@@ -20,7 +20,7 @@ from vllm_dp_operator.controller.cache import (
     slim,
 )
 from vllm_dp_operator.controller.informer import RETRY_CAP_SECONDS, Reflector
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, Kind
+from vllm_dp_operator.controller.kube import ENDPOINTSLICE, POD, RAYCLUSTER, RAYJOB, SERVICE, Kind
 
 
 def obj(name: str, instance: str = "demo", rv: str = "1", uid: str | None = None,
@@ -49,6 +49,42 @@ def test_slim_drops_managed_fields_and_pod_templates() -> None:
     assert pod["spec"] == {"nodeName": "n1"} and pod["status"] == {"phase": "Pending"}
 
 
+def test_slim_interns_repeated_strings_and_shares_nothing_with_the_body() -> None:
+    # Two bodies parsed apart (as two watch events are) hold their own copies of every key and
+    # label value; the cache keeps one of each, so 10,000 resources do not hold them 10,000
+    # times over. What a reader sees is unchanged.
+    import json
+
+    def parsed(name: str) -> dict[str, Any]:
+        body = obj(name, spec={"type": "ClusterIP", "ports": [{"name": "http", "port": 8000}]},
+                   status={"conditions": [{"type": "Ready", "status": "True",
+                                           "message": "m" * (cache_module.INTERN_MAX + 1)}]})
+        loaded: dict[str, Any] = json.loads(json.dumps(body))
+        return loaded
+
+    a_raw, b_raw = parsed("a"), parsed("b")
+    assert a_raw["spec"]["type"] is not b_raw["spec"]["type"]  # what a JSON parse gives
+    a, b = slim(SERVICE, a_raw), slim(SERVICE, b_raw)
+    assert a == {"metadata": a_raw["metadata"], "spec": a_raw["spec"], "status": a_raw["status"]}
+    assert a["spec"]["type"] is b["spec"]["type"]
+    label = c.LABEL_MANAGED_BY
+    assert a["metadata"]["labels"][label] is b["metadata"]["labels"][label]
+    key_a = next(k for k in a["status"]["conditions"][0] if k == "status")
+    key_b = next(k for k in b["status"]["conditions"][0] if k == "status")
+    assert key_a is key_b
+    # A long free text is not interned (it rarely repeats across objects), but held once per
+    # object: a status repeats its message in several conditions.
+    assert a["status"]["conditions"][0]["message"] is not b["status"]["conditions"][0]["message"]
+    twice = json.loads(json.dumps({"status": {"message": "m" * 99, "conditions": [
+        {"message": "m" * 99}]}}))
+    kept = slim(SERVICE, {"metadata": {"name": "x"}, **twice})["status"]
+    assert kept["message"] is kept["conditions"][0]["message"]
+    # A copy: changing the body afterwards (kopf reuses its event dicts) leaves the cache alone.
+    a_raw["spec"]["ports"][0]["port"] = 1
+    a_raw["status"]["conditions"].clear()
+    assert a["spec"]["ports"][0]["port"] == 8000 and a["status"]["conditions"]
+
+
 def test_parse_selector_takes_equality_terms_only() -> None:
     assert parse_selector("a=1,b=2") == {"a": "1", "b": "2"}
     assert parse_selector("") == {}
@@ -71,6 +107,22 @@ def test_select_reads_the_label_index_and_filters_every_term() -> None:
     assert copy_ is not None
     copy_["metadata"]["labels"].clear()  # the reconcile may change what it reads
     assert cache.select(POD, "default", {c.LABEL_RAY_CLUSTER: "demo-abcde"})
+
+
+def test_a_reconciles_selectors_read_an_index_not_every_cached_object() -> None:
+    # At 10,000 resources a scan of a kind is 10,000 objects per reconcile: every selector the
+    # reconcile makes (instance, Ray cluster, and routing's Service name) reads one bucket.
+    class NoScan(dict[Any, Any]):
+        def items(self) -> Any:
+            raise AssertionError("scanned every cached object")
+
+    cache = ObjectCache([ENDPOINTSLICE])
+    for name, service in (("a-api", "a-api"), ("b-api", "b-api"), ("a-mirror", "a-api")):
+        cache.upsert(ENDPOINTSLICE, obj(name, labels={c.LABEL_SERVICE_NAME: service}))
+    cache._objects[ENDPOINTSLICE] = NoScan(cache._objects[ENDPOINTSLICE])
+    found = cache.select(ENDPOINTSLICE, "default", {c.LABEL_SERVICE_NAME: "a-api"})
+    assert [s["metadata"]["name"] for s in found] == ["a-api", "a-mirror"]
+    assert cache.select(ENDPOINTSLICE, "default", {c.LABEL_INSTANCE: "demo"})
 
 
 def test_a_watch_event_before_our_write_never_overwrites_its_answer() -> None:

@@ -72,3 +72,61 @@ def test_the_per_event_success_line_is_dropped_and_nothing_else() -> None:
     assert not chatter.filter(record(logging.INFO, "Handler 'on_owner_event' succeeded."))
     assert chatter.filter(record(logging.ERROR, "Handler 'on_owner_event' failed."))
     assert chatter.filter(record(logging.INFO, "Removing the finalizer"))
+
+
+async def test_kopf_lists_the_resource_kind_in_pages(monkeypatch: Any) -> None:
+    # kopf's own LIST of the owners (at start, after a 410) is paginated as configured, so at
+    # 10,000 resources it never parses every body at once. kopf's default is one LIST.
+    from kopf._cogs.clients import api, fetching
+    from kopf._cogs.structs import references
+
+    settings = kopf.OperatorSettings()
+    assert settings.watching.chunk_size is None  # kopf's default: one unpaginated LIST
+    handlers.configure(settings)
+    urls: list[str] = []
+    pages = {"": ("p2", ["a", "b"]), "p2": ("", ["c"])}
+
+    async def get(url: str, **_: Any) -> dict[str, Any]:
+        urls.append(url)
+        token = url.partition("continue=")[2]
+        nxt, names = pages[token]
+        return {"items": [{"metadata": {"name": n}} for n in names],
+                "metadata": {"continue": nxt, "resourceVersion": "7"}}  # fmt: skip
+
+    monkeypatch.setattr(api, "get", get)
+    resource = references.Resource("vllmdp.io", "v1alpha1", "vllmdataparallels",
+                                   namespaced=True)  # fmt: skip
+    names = [item["metadata"]["name"]
+             async for items, _ in fetching.fetch_objs(settings=settings, resource=resource,
+                                                       namespace=None, logger=logging.getLogger())
+             for item in items]  # fmt: skip
+    assert names == ["a", "b", "c"]
+    assert len(urls) == 2 and all(f"limit={handlers.OWNER_LIST_PAGE}" in u for u in urls), urls
+    # Writes nothing of its own, as before: no Events, no diff base.
+    assert settings.posting.enabled is False
+    assert isinstance(settings.persistence.diffbase_storage, handlers._NoDiffBase)
+
+
+async def test_kopf_object_workers_let_go_of_a_body_soon_after_its_event() -> None:
+    # kopf's worker for one object waits for its next event holding the last body as the API
+    # sent it: with kopf's 5 s, a start with 10,000 resources held thousands at once.
+    from kopf._core.reactor import queueing
+
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings)
+    key: Any = ("vllmdataparallels", "uid-1")
+    streams: Any = {key: queueing.Stream(backlog=asyncio.Queue(), pressure=asyncio.Event())}
+    seen: list[Any] = []
+
+    async def processor(*, raw_event: Any, **_: Any) -> None:
+        seen.append(raw_event["object"]["metadata"]["name"])
+
+    streams[key].backlog.put_nowait({"type": None, "object": {"metadata": {"name": "demo"}}})
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    # kopf's default (5 s) would outlive this wait.
+    await asyncio.wait_for(queueing.worker(signaller=asyncio.Condition(), settings=settings,
+                                           processor=processor, streams=streams, key=key),
+                           timeout=3)  # fmt: skip
+    assert seen == ["demo"] and key not in streams
+    assert loop.time() - start < 3

@@ -14,6 +14,7 @@ older than it. A relist keeps what we wrote after its LIST began: the LIST canno
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -36,10 +37,17 @@ Obj = dict[str, Any]
 #: Every child the operator makes carries this label; watches select on it server-side.
 MANAGED_SELECTOR = f"{c.LABEL_MANAGED_BY}={c.MANAGER}"
 #: Labels the cache indexes, so a selector on one of them reads one bucket, not a namespace.
-INDEXED_LABELS = (c.LABEL_INSTANCE, c.LABEL_RAY_CLUSTER)
+#: Every selector a reconcile makes is on one of them: the Service's name is how routing
+#: finds slices of other managers (unindexed, every reconcile sorted every cached slice), and
+#: Kueue's job uid finds a queued cluster's Workload.
+INDEXED_LABELS = (c.LABEL_INSTANCE, c.LABEL_RAY_CLUSTER, c.LABEL_SERVICE_NAME,
+                  c.LABEL_KUEUE_JOB_UID)  # fmt: skip
 _META_KEPT = ("name", "namespace", "uid", "resourceVersion", "generation", "labels",
               "ownerReferences", "deletionTimestamp", "creationTimestamp")  # fmt: skip
 _DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)
+#: Strings up to this long are interned as the cache stores them: keys, label values, reasons,
+#: timestamps, uids (an owner's uid is in each child's owner reference) repeat across objects.
+INTERN_MAX = 64
 #: Versions remembered per object for a write's late answer (its echo is at most a few back).
 RECENT_VERSIONS = 4
 
@@ -96,11 +104,35 @@ _SLIM: dict[Kind, Callable[[Obj], Obj]] = {
 }  # fmt: skip
 
 
+def compact(value: Any, seen: dict[str, str] | None = None) -> Any:
+    """A copy of JSON-shaped data whose keys and short strings are interned.
+
+    A JSON parse makes new strings for every document: at 10,000 resources the same keys
+    ("metadata", "app.kubernetes.io/instance", "lastTransitionTime") and values ("True",
+    reasons, label values) were held tens of thousands of times over, the largest part of the
+    cache. Interned, each is held once; the values compare equal, so no reader can tell.
+    A longer string is held once per object (`seen`): a resource's status repeats one message
+    in `message` and in several conditions.
+    """
+    if seen is None:
+        seen = {}
+    if isinstance(value, dict):
+        return {sys.intern(k) if type(k) is str else k: compact(v, seen)
+                for k, v in value.items()}  # fmt: skip
+    if isinstance(value, list):
+        return [compact(v, seen) for v in value]
+    if type(value) is str:
+        return sys.intern(value) if len(value) <= INTERN_MAX else seen.setdefault(value, value)
+    return value
+
+
 def slim(kind: Kind, obj: Obj) -> Obj:
-    """The parts of an object the operator reads; managedFields and pod templates go."""
+    """The parts of an object the operator reads, as a compact copy (`compact`): no
+    managedFields, no pod templates, and nothing shared with the body it came from."""
     body = _SLIM.get(kind, _slim_whole)(obj)
     head: Obj = {k: obj[k] for k in ("apiVersion", "kind") if k in obj}
-    return {**head, "metadata": _meta(obj), **body}
+    slimmed: Obj = compact({**head, "metadata": _meta(obj), **body})
+    return slimmed
 
 
 def json_copy(value: Any) -> Any:
@@ -168,7 +200,9 @@ class ObjectCache:
 
     def __init__(self, kinds: Iterable[Kind]) -> None:
         self._objects: dict[Kind, dict[tuple[str, str], Obj]] = {k: {} for k in kinds}
-        self._index: dict[Kind, dict[tuple[str, str, str], set[str]]] = {
+        #: Names per (namespace, label, value). Tuples, not sets: a bucket holds one name
+        #: (two during a shape change), and an empty set alone costs four times a 1-tuple.
+        self._index: dict[Kind, dict[tuple[str, str, str], tuple[str, ...]]] = {
             k: {} for k in self._objects
         }
         #: Answers to our own writes the watch has not echoed yet: key -> (version, write no.).
@@ -177,7 +211,9 @@ class ObjectCache:
         }
         #: The last few versions the watch delivered per object: a write's answer that comes
         #: after its own echo (two connections, no order between them) is no news then.
-        self._recent: dict[Kind, dict[tuple[str, str], list[str]]] = {k: {} for k in self._objects}
+        self._recent: dict[Kind, dict[tuple[str, str], tuple[str, ...]]] = {
+            k: {} for k in self._objects
+        }
         self._writes = 0
 
     def holds(self, kind: Kind) -> bool:
@@ -206,7 +242,7 @@ class ObjectCache:
         objects = self._objects[kind]
         indexed = next((k for k in INDEXED_LABELS if k in terms), None)
         if indexed is not None:
-            names = self._index[kind].get((namespace, indexed, terms[indexed]), set())
+            names = self._index[kind].get((namespace, indexed, terms[indexed]), ())
             candidates = [objects[(namespace, n)] for n in sorted(names)]
         else:
             candidates = [o for (ns, _), o in sorted(objects.items()) if ns == namespace]
@@ -222,13 +258,16 @@ class ObjectCache:
             if key not in labels:
                 continue
             slot = (meta.get("namespace") or "", key, labels[key])
-            names = self._index[kind].setdefault(slot, set())
+            names = self._index[kind].get(slot, ())
             if add:
-                names.add(meta["name"])
+                if meta["name"] not in names:
+                    self._index[kind][slot] = (*names, meta["name"])
+                continue
+            left = tuple(n for n in names if n != meta["name"])
+            if left:
+                self._index[kind][slot] = left
             else:
-                names.discard(meta["name"])
-                if not names:
-                    del self._index[kind][slot]
+                self._index[kind].pop(slot, None)
 
     @property
     def writes(self) -> int:
@@ -255,9 +294,7 @@ class ObjectCache:
     def _saw(self, kind: Kind, key: tuple[str, str], obj: Obj) -> None:
         rv = _rv(obj)
         if rv is not None:
-            recent = self._recent[kind].setdefault(key, [])
-            recent.append(rv)
-            del recent[:-RECENT_VERSIONS]
+            self._recent[kind][key] = (*self._recent[kind].get(key, ()), rv)[-RECENT_VERSIONS:]
 
     def upsert(self, kind: Kind, raw: Obj) -> bool:
         """Store a watch event's object; False when it is no news.

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""The kind tier's cluster: two kind nodes on this tier's own Docker engine (kinddocker.py),
+from the node image built here (kindnode.py), with what the e2e tests expect (root).
+
+    python tests/testbed/kindbed.py up       # prints `export KUBECONFIG=...`
+    python tests/testbed/kindbed.py down     # clusters, containers, network, daemon; leftovers
+    python tests/testbed/kindbed.py status
+
+`up`: the daemon; the node image (built when its inputs changed, `docker load`ed when the
+daemon lacks it); `kind create cluster` (a control plane and a worker, both schedulable, on
+the daemon's network); `nvidia.com/gpu` on each node's status as the real-node bed does it; the
+operator, engine-double and CPU engine test images (images.py) and a KubeRay image `kind load
+image-archive`d; KubeRay (KUBERAY_VERSION: its CRDs, RBAC and Deployment from its module,
+rendered by `kubectl kustomize`, the image built here). The operator's chart is the tests'
+to install (tests/e2e).
+
+KIND_NODE_IMAGE=<ref> uses that node image instead (on a host with registry access, an
+upstream `kindest/node`); the cluster then keeps kind's own CNI. Everything kind makes is
+named CLUSTER; `down` removes every kind cluster on this daemon, then the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import binaries
+import images
+import kindbins
+import kinddocker
+import kindnode
+import oci
+import yaml
+from common import BuildError, log, versions
+
+CLUSTER = "vllmdp-e2e"
+GPUS_PER_NODE = 2
+TEST_IMAGES = ("vllm-dp-operator", "vllm-dp-engine-double", "vllm-dp-engine-cpu")
+KUBERAY_NAMESPACE = "kuberay-system"
+KUBERAY_IMAGE_REPO = "vllmdp.local/kuberay-operator"
+KUBERAY_MODULE = binaries.KUBERAY_MODULE
+UPSTREAM_KUBERAY_IMAGE = "quay.io/kuberay/operator"
+
+
+@dataclass(frozen=True)
+class Bed:
+    """A running kind cluster: how to reach it."""
+
+    kubeconfig: Path
+    kubectl_bin: Path
+    node_image: str
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        proc = subprocess.run([str(self.kubectl_bin), f"--kubeconfig={self.kubeconfig}", *args],
+                              capture_output=True, text=True, input=input,
+                              timeout=timeout)  # fmt: skip
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed (rc={proc.returncode}):\n"
+                               f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")  # fmt: skip
+        return proc
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+
+def state_dir() -> Path:
+    return kinddocker.paths().root.parent
+
+
+def kubeconfig_path() -> Path:
+    return state_dir() / "kubeconfig"
+
+
+def kind_env() -> dict[str, str]:
+    """kind's environment: the tier's daemon, and its network for the nodes."""
+    return dict(kinddocker.env(), KIND_EXPERIMENTAL_PROVIDER="docker",
+                KIND_EXPERIMENTAL_DOCKER_NETWORK=kinddocker.NETWORK)  # fmt: skip
+
+
+def kind(*args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(kindbins.bin_dir() / "kind"), *args], capture_output=True,
+                          text=True, env=kind_env(), timeout=timeout)  # fmt: skip
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"kind {' '.join(args)} failed (rc={proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")  # fmt: skip
+    return proc
+
+
+def cluster_config(ours: bool) -> dict[str, Any]:
+    """kind's config: a control plane and a worker. kubelet v1.35+ refuses cgroup v1 unless
+    told (this host's hierarchy may be v1). Our node image carries our CNI, in the address plan
+    of kindnode.py, and CoreDNS at the bed's own version."""
+    patches = ["kind: KubeletConfiguration\nfailCgroupV1: false\n"]
+    networking: dict[str, Any] = {"ipFamily": "ipv4"}
+    if ours:
+        networking.update(disableDefaultCNI=True, podSubnet=kindnode.POD_SUBNET,
+                          serviceSubnet=kindnode.SERVICE_SUBNET)  # fmt: skip
+        patches.append("kind: ClusterConfiguration\ndns:\n  imageTag: "
+                       f"{versions()['COREDNS_VERSION']}\n")  # fmt: skip
+    return {"kind": "Cluster", "apiVersion": "kind.x-k8s.io/v1alpha4", "networking": networking,
+            "nodes": [{"role": "control-plane"}, {"role": "worker"}],
+            "kubeadmConfigPatches": patches}  # fmt: skip
+
+
+def _node_image() -> tuple[str, bool]:
+    """The node image's ref, loaded into the daemon; and whether it is ours."""
+    if upstream := os.environ.get("KIND_NODE_IMAGE"):
+        return upstream, False
+    archive = kindnode.build()
+    kinddocker.load(archive, kindnode.node_ref())
+    return kindnode.node_ref(), True
+
+
+def _create(node_image: str, ours: bool) -> None:
+    config = state_dir() / "kind-config.yaml"
+    config.write_text(yaml.safe_dump(cluster_config(ours), sort_keys=False))
+    t0 = time.monotonic()
+    try:
+        kind("create", "cluster", f"--name={CLUSTER}", f"--image={node_image}",
+             f"--config={config}", f"--kubeconfig={kubeconfig_path()}", "--retain",
+             "--wait=0s", timeout=900)  # fmt: skip
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}\n{_node_logs()}") from e
+    log(f"kind: cluster {CLUSTER} created in {time.monotonic() - t0:.1f}s")
+
+
+def _node_logs() -> str:
+    """What the nodes said, for a failed create: each node's journal tail."""
+    out = []
+    for node in kind("get", "nodes", f"--name={CLUSTER}", check=False).stdout.split():
+        for unit in ("kubelet", "containerd", "vllmdp-preload", "vllmdp-cni"):
+            proc = kinddocker.docker("exec", node, "journalctl", "--no-pager", "-n", "30", "-u",
+                                     unit, check=False)  # fmt: skip
+            out.append(f"--- {node} {unit}\n{proc.stdout[-3000:]}{proc.stderr[-500:]}")
+    return "\n".join(out)
+
+
+def _wait(what: str, check: Any, timeout: float, explain: Any = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(2)
+    raise RuntimeError(f"kind: timed out after {timeout:.0f}s waiting for {what}"
+                       + (f"\n{explain()}" if explain else ""))  # fmt: skip
+
+
+def _nodes_ready(bed: Bed) -> bool:
+    items = bed.json("get", "nodes")["items"]
+    return len(items) == 2 and all(
+        any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
+        for n in items)  # fmt: skip
+
+
+def advertise_gpus(bed: Bed, count: int = GPUS_PER_NODE) -> None:
+    """As the real-node bed does: PATCH each node's status capacity; kubelet copies it into
+    allocatable on its next status update."""
+    patch = json.dumps([{"op": "add", "path": "/status/capacity/nvidia.com~1gpu",
+                         "value": str(count)}])  # fmt: skip
+    for node in bed.kubectl("get", "nodes", "-o", "name").stdout.split():
+        bed.kubectl("patch", node, "--subresource=status", "--type=json", f"-p={patch}")
+
+    def allocatable() -> bool:
+        return all(n["status"].get("allocatable", {}).get("nvidia.com/gpu") == str(count)
+                   for n in bed.json("get", "nodes")["items"])  # fmt: skip
+
+    _wait("nvidia.com/gpu allocatable on every node", allocatable, 60)
+
+
+def kuberay_image() -> tuple[Path, str]:
+    """KubeRay's operator (the bed's build of KUBERAY_VERSION) as an image, as its own image
+    runs it (/manager, a non-root user)."""
+    ref = f"{KUBERAY_IMAGE_REPO}:{versions()['KUBERAY_VERSION']}"
+    config = oci.ImageConfig(entrypoint=["/manager"], user="65532:65532")
+    archive = kindnode.component_archive(binaries.bin_dir() / "ray-operator", "/manager",
+                                         binaries.version_key(), ref, config)  # fmt: skip
+    return archive, ref
+
+
+def kuberay_manifests(bed: Bed, image: str) -> list[dict[str, Any]]:
+    """KubeRay's default kustomization from its module (CRDs, RBAC, the Deployment), in its own
+    namespace, running `image` (loaded on the nodes: never pulled), asking for no CPU (two
+    2-CPU nodes hold the Ray pods)."""
+    env = binaries.go_env()
+    module = binaries.kuberay_module_dir(env) / "config" / "default"
+    rendered = bed.kubectl("kustomize", str(module), timeout=120).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    for doc in docs:
+        meta = doc.setdefault("metadata", {})
+        if "namespace" in meta:
+            meta["namespace"] = KUBERAY_NAMESPACE
+        for subject in doc.get("subjects", []):
+            subject["namespace"] = KUBERAY_NAMESPACE
+        if doc["kind"] == "Deployment":
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                if c["image"].startswith(UPSTREAM_KUBERAY_IMAGE):
+                    c["image"], c["imagePullPolicy"] = image, "Never"
+                    c["resources"]["requests"]["cpu"] = "0"
+    return docs
+
+
+def install_kuberay(bed: Bed, image: str) -> None:
+    docs = kuberay_manifests(bed, image)
+    bed.kubectl("create", "namespace", KUBERAY_NAMESPACE, check=False)
+    bed.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+            input=yaml.safe_dump_all(docs), timeout=180)  # fmt: skip
+    bed.kubectl("wait", "--for=condition=Established", "--timeout=120s", "crd/rayclusters.ray.io",
+            "crd/rayjobs.ray.io")  # fmt: skip
+    bed.kubectl("rollout", "status", "deployment/kuberay-operator", f"-n={KUBERAY_NAMESPACE}",
+            "--timeout=300s", timeout=330)  # fmt: skip
+
+
+def load_archives(archives: list[Path]) -> None:
+    """`kind load image-archive` each archive onto every node."""
+    for archive in archives:
+        t0 = time.monotonic()
+        kind("load", "image-archive", str(archive), f"--name={CLUSTER}", timeout=1800)
+        log(f"kind: loaded {archive.name} in {time.monotonic() - t0:.1f}s")
+
+
+def up() -> Bed:
+    """Bring the tier up (or find it up); return how to reach the cluster."""
+    t0 = time.monotonic()
+    kindbins.build()
+    binaries.build()
+    archives = images.build(list(TEST_IMAGES))
+    ray_archive, ray_ref = kuberay_image()
+    kinddocker.start()
+    node_image, ours = _node_image()
+    bed = Bed(kubeconfig_path(), binaries.bin_dir() / "kubectl", node_image)
+    if CLUSTER not in kind("get", "clusters").stdout.split():
+        _create(node_image, ours)
+        created = True
+    else:
+        kubeconfig_path().write_text(kind("get", "kubeconfig", f"--name={CLUSTER}").stdout)
+        created = False
+    _wait("both nodes Ready", lambda: _nodes_ready(bed), 300, _node_logs)
+    # Both nodes take pods: the Ray head and its worker need one each. The CPU example's head
+    # asks for all 2 CPUs of a node, so CoreDNS asks for none (as on the real-node bed, where
+    # it is a host process): wherever its pods land, one node stays free for the head.
+    bed.kubectl("taint", "nodes", "--all", "node-role.kubernetes.io/control-plane-", check=False)
+    bed.kubectl("-n", "kube-system", "set", "resources", "deployment/coredns", "--requests=cpu=0")
+    bed.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=180s",
+                timeout=200)  # fmt: skip
+    advertise_gpus(bed)
+    if created:
+        load_archives([ray_archive, *archives.values()])
+    install_kuberay(bed, ray_ref)
+    log(f"kind: up in {time.monotonic() - t0:.1f}s; export KUBECONFIG={bed.kubeconfig}")
+    return bed
+
+
+def down() -> list[str]:
+    """Delete every kind cluster on the daemon, then stop it; return what is left."""
+    p = kinddocker.paths()
+    if kinddocker.running(p):
+        for name in kind("get", "clusters", check=False).stdout.split():
+            kind("delete", "cluster", f"--name={name}", check=False, timeout=300)
+    left = kinddocker.stop(p)
+    kubeconfig_path().unlink(missing_ok=True)
+    return left
+
+
+def status() -> dict[str, Any]:
+    p = kinddocker.paths()
+    up_ = kinddocker.running(p)
+    clusters = kind("get", "clusters", check=False).stdout.split() if up_ else []
+    return {"dockerd": up_, "clusters": clusters,
+            "leftovers": [] if up_ else kinddocker.leftovers(p)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cmd", choices=("up", "down", "status"))
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "up":
+            bed = up()
+            print(f"export KUBECONFIG={bed.kubeconfig}")
+        elif a.cmd == "down":
+            left = down()
+            print(json.dumps({"leftovers": left}))
+            return 1 if left else 0
+        else:
+            print(json.dumps(status(), indent=1))
+    except (BuildError, RuntimeError) as e:
+        print(f"kindbed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The kind tier's pure parts: kind's cluster config for our node image and for an upstream one,
+and the runtime wrapper that drops the capabilities this host's root lacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testbed"))
+import kindbed
+import kinddocker
+import kindnode
+from common import versions
+
+
+def _patches(config: dict[str, object]) -> list[dict[str, object]]:
+    return [yaml.safe_load(p) for p in config["kubeadmConfigPatches"]]  # type: ignore[attr-defined]
+
+
+def test_our_node_image_gets_our_cni_our_address_plan_and_the_beds_coredns() -> None:
+    config = kindbed.cluster_config(ours=True)
+    assert config["networking"] == {"ipFamily": "ipv4", "disableDefaultCNI": True,
+                                    "podSubnet": "10.212.0.0/16",
+                                    "serviceSubnet": "10.213.0.0/16"}  # fmt: skip
+    assert [n["role"] for n in config["nodes"]] == ["control-plane", "worker"]
+    patches = {p["kind"]: p for p in _patches(config)}
+    assert patches["KubeletConfiguration"]["failCgroupV1"] is False
+    assert patches["ClusterConfiguration"]["dns"]["imageTag"] == versions()["COREDNS_VERSION"]
+    # The node image preloads CoreDNS under exactly that tag.
+    assert kindnode.image_refs()["coredns"].endswith(":" + versions()["COREDNS_VERSION"])
+
+
+def test_an_upstream_node_image_keeps_kinds_cni_and_images() -> None:
+    config = kindbed.cluster_config(ours=False)
+    assert config["networking"] == {"ipFamily": "ipv4"}
+    assert [p["kind"] for p in _patches(config)] == ["KubeletConfiguration"]
+
+
+def test_the_cni_plan_stays_off_the_other_beds_ranges() -> None:
+    ours = ("10.211.", "10.212.", "10.213.")
+    for taken in ("10.200.", "10.201.", "10.202.", "10.244.", "10.96.", "10.0.0.1"):
+        assert not any(o.startswith(taken) or taken.startswith(o) for o in ours), taken
+    assert kinddocker.SUBNET.startswith(kindnode.NODE_NET + ".")
+
+
+def _bounding_caps() -> set[str]:
+    caps = kinddocker.RUNTIME_WRAPPER.split("CAPS = (", 1)[1].split(").split()", 1)[0]
+    all_caps = " ".join(part.strip().strip('"') for part in caps.splitlines()).split()
+    status = Path("/proc/self/status").read_text()
+    bnd = int(next(ln for ln in status.splitlines() if ln.startswith("CapBnd:")).split()[1], 16)
+    return {f"CAP_{c}" for i, c in enumerate(all_caps) if bnd >> i & 1}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_the_runtime_wrapper_keeps_only_the_capabilities_root_has(tmp_path: Path) -> None:
+    seen = tmp_path / "seen.json"
+    fake_runc = tmp_path / "runc"
+    fake_runc.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {seen}\n")
+    fake_runc.chmod(0o755)
+    wrapper = tmp_path / "wrapper"
+    wrapper.write_text(kinddocker.RUNTIME_WRAPPER.replace("@RUNC@", str(fake_runc)))
+    wrapper.chmod(0o755)
+    every = ["CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_SYS_RESOURCE", "CAP_BPF", "CAP_NOT_A_CAP"]
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps(
+        {"process": {"capabilities": {k: every for k in ("bounding", "effective")}}}))
+    process = tmp_path / "process.json"
+    process.write_text(json.dumps({"capabilities": {"bounding": every}}))
+
+    subprocess.run([str(wrapper), "--root", "/x", "create", "--bundle", str(bundle), "id"],
+                   check=True)  # fmt: skip
+    assert seen.read_text().split() == ["--root", "/x", "create", "--bundle", str(bundle), "id"]
+    subprocess.run([str(wrapper), "exec", "--process", str(process), "id"], check=True)
+
+    have = _bounding_caps()
+    want = [c for c in every if c in have or c == "CAP_NOT_A_CAP"]
+    caps = json.loads((bundle / "config.json").read_text())["process"]["capabilities"]
+    assert caps == {"bounding": want, "effective": want}
+    assert json.loads(process.read_text())["capabilities"] == {"bounding": want}
+    assert "CAP_CHOWN" in want
