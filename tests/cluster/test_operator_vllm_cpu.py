@@ -33,8 +33,8 @@ from typing import Any
 import pytest
 import yaml
 
-from . import timeline
-from .bed import REPO, RunningCluster, testbed_cli
+from . import bed, timeline
+from .bed import REPO, RunningCluster
 from .vdp import API_PORT, Vdp, http, http_status, import_engine, own_namespace
 
 # isort: split
@@ -367,7 +367,7 @@ def test_prometheus_scrapes_vllm_and_status_load_follows(
 
 def operator_values(*values: str) -> None:
     """`helm upgrade` the bed's operator with these values on top of the bed's own."""
-    proc = testbed_cli("operator", *(f"--set={v}" for v in values), timeout=900)
+    proc = bed.testbed_cli("operator", *(f"--set={v}" for v in values), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
