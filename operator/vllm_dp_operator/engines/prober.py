@@ -90,7 +90,7 @@ class _Entry:
 def _signature(entry: _Entry) -> tuple[Any, ...]:
     """What a reconcile decides on: a change here wakes it, anything else does not."""
     health, reading = entry.health, entry.reading
-    loads = None if reading is None or reading.loads is None else reading.loads
+    loads = reading.loads if reading is not None else None
     return (health is NOT_PROBED, health.ok, health.failures,
             None if loads is None else (len(loads), level_of(loads)))  # fmt: skip
 
@@ -117,9 +117,6 @@ class ProbePool:
         self._seq = 0
         self._changed = asyncio.Event()
         self._running: set[asyncio.Task[None]] = set()
-        #: Probes sent and wakes given, for the liveness endpoint, logs and benchmarks.
-        self.probes = 0
-        self.wakes = 0
 
     # ------------------------------------------------------------------ the reconcile's side
 
@@ -213,7 +210,6 @@ class ProbePool:
     async def _probe_one(self, key: Key, entry: _Entry) -> None:
         t = entry.target
         try:
-            self.probes += 1
             answer = await self._probe.check(t.namespace, t.service, t.port)
             reading = None
             if answer.ok:
@@ -238,8 +234,7 @@ class ProbePool:
             entry.health = ProbeResult(True, answer.detail)
             entry.served = True
         else:
-            failures = previous.failures + 1 if not previous.ok and previous is not NOT_PROBED \
-                else 1  # fmt: skip
+            failures = previous.failures + 1  # NOT_PROBED and an ok answer count 0
             since = previous.failing_since if failures > 1 else self._clock()
             entry.health = ProbeResult(False, answer.detail, failures, since)
         if reading is not None:
@@ -252,5 +247,4 @@ class ProbePool:
         signature = _signature(entry)
         if signature != entry.told:
             entry.told = signature
-            self.wakes += 1
             self._wake(key)
