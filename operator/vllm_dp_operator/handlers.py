@@ -23,7 +23,8 @@ import kopf
 
 from vllm_dp_operator import __version__, constants
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller.gate import OPEN, GatedApi, GatedRayJobs, WriteGate
+from vllm_dp_operator.controller.fence import WriteGate
+from vllm_dp_operator.controller.gate import OPEN, GatedApi, GatedRayJobs
 from vllm_dp_operator.controller.kube import VDP, ApiKube
 from vllm_dp_operator.controller.lease import ApiLeases, ElectionConfig, LeaderElector
 from vllm_dp_operator.controller.legacy_finalizer import LegacyFinalizer

@@ -2,26 +2,24 @@
 
 The controller is built on a `GatedApi` instead of the bare API client, so the reconcile's
 creates, patches and deletes (through `CachedKube`), the status writer's patches and the Event
-poster's creates all check the gate right before the request goes out. The Ray job API's stop
-(a write to the head's dashboard) goes through `GatedRayJobs`. Reads and watches are never
-gated: standbys keep their caches warm. kopf itself writes nothing (handlers.py).
+poster's creates all check the gate when they are called. The Ray job API's stop (a write to
+the head's dashboard) goes through `GatedRayJobs`. Reads and watches are never gated: standbys
+keep their caches warm. kopf itself writes nothing (handlers.py).
+
+A check when the write is called is not enough. Between it and the request leaving, the write
+may wait for a connection or a TLS handshake, and a process frozen there (SIGSTOP, a paused VM)
+sends it after it wakes, when another replica may lead. So each write is sent through `fence.gated`,
+which checks the gate again once the HTTP connection is in hand (fence.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
+from vllm_dp_operator.controller.fence import WriteGate, gated
 from vllm_dp_operator.controller.kube import Kind
 from vllm_dp_operator.engines.ray_dashboard import RayJobLookup, RayJobs, StopResult
-
-
-class WriteGate(Protocol):
-    """Raises when this process must not write (lease.LeaderElector)."""
-
-    def check(self) -> None:
-        """Raise NotLeading unless writes are allowed now."""
-        ...
 
 
 class GatedApi:
@@ -59,29 +57,31 @@ class GatedApi:
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         """Create, if this process may write."""
-        self._gate.check()
-        obj: dict[str, Any] = await self._api.create(kind, namespace, body)
+        obj: dict[str, Any] = await gated(
+            self._gate, lambda: self._api.create(kind, namespace, body)
+        )
         return obj
 
     async def patch(
         self, kind: Kind, namespace: str, name: str, body: dict[str, Any]
     ) -> dict[str, Any]:
         """Merge-patch, if this process may write."""
-        self._gate.check()
-        obj: dict[str, Any] = await self._api.patch(kind, namespace, name, body)
+        obj: dict[str, Any] = await gated(
+            self._gate, lambda: self._api.patch(kind, namespace, name, body)
+        )
         return obj
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> None:
         """Delete, if this process may write."""
-        self._gate.check()
-        await self._api.delete(kind, namespace, name)
+        await gated(self._gate, lambda: self._api.delete(kind, namespace, name))
 
     async def patch_status(
         self, kind: Kind, namespace: str, name: str, status: dict[str, Any]
     ) -> dict[str, Any]:
         """Merge-patch the status subresource, if this process may write."""
-        self._gate.check()
-        obj: dict[str, Any] = await self._api.patch_status(kind, namespace, name, status)
+        obj: dict[str, Any] = await gated(
+            self._gate, lambda: self._api.patch_status(kind, namespace, name, status)
+        )
         return obj
 
 
@@ -101,8 +101,9 @@ class GatedRayJobs:
         self, namespace: str, cluster: str, submission_id: str, token: str | None
     ) -> StopResult:
         """Stop one Ray job, if this process may write."""
-        self._gate.check()
-        return await self._jobs.stop(namespace, cluster, submission_id, token)
+        return await gated(
+            self._gate, lambda: self._jobs.stop(namespace, cluster, submission_id, token)
+        )
 
 
 class _Open:

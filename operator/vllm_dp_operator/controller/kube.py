@@ -12,6 +12,7 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from vllm_dp_operator import constants
+from vllm_dp_operator.controller.fence import fence_trace
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,15 @@ class ApiKube:
         api = client.ApiClient()
         if user_agent:
             api.user_agent = user_agent
+        # The client builds its own session; a session's trace hooks are fixed when it is
+        # made, so its connector moves to one that carries the write fence (fence.py).
+        rest = api.rest_client
+        old = rest.pool_manager
+        rest.pool_manager = aiohttp.ClientSession(
+            connector=old.connector, trust_env=old.trust_env, read_bufsize=2**21,
+            trace_configs=[fence_trace()],
+        )  # fmt: skip
+        old.detach()
         return cls(api)
 
     @property

@@ -21,6 +21,7 @@ from kubernetes_asyncio import client
 
 from vllm_dp_operator.api import names
 from vllm_dp_operator.constants import DEFAULT_CLUSTER_DOMAIN
+from vllm_dp_operator.controller.fence import fence_trace
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ class ServiceDnsTransport:
         url = f"http://{names.service_fqdn(service, namespace, self._domain)}:{port}{path}"
         if self._session is None:
             connector = aiohttp.TCPConnector(resolver=self._resolver) if self._resolver else None
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
+            # The Ray job stop is a gated write; the fence checks it at the connection.
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector,
+                                                  trace_configs=[fence_trace()])  # fmt: skip
         try:
             async with self._session.request(method, url, headers=headers) as resp:
                 body, cut = await _read(resp, limit)
