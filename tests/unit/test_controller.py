@@ -451,16 +451,24 @@ class EchoFirstApi(FakeApi):
         return answer
 
 
-async def test_at_rest_no_news_from_kuberay_makes_no_status_patch() -> None:
+@pytest.mark.parametrize("phase", [c.PHASE_LAUNCHING, c.PHASE_SERVING])
+async def test_at_rest_no_news_from_kuberay_makes_no_status_patch(phase: str) -> None:
     api = EchoFirstApi()
     bed = Bed(api=api)
+    bed.probe.ok = True  # the engine test double answers /health
     bed.ctl.start()
     try:
         await bed.owner_with_cluster()  # Provisioning: its echo never reaches the controller
         await bed.ctl.status.idle()
-        api.kopf = lambda: bed.kopf_event("MODIFIED")
-        bed.cluster_ready()  # Launching: its echo comes before its answer
-        await bed.until("Launching", lambda: bed.status().get("phase") == c.PHASE_LAUNCHING)
+        api.kopf = lambda: bed.kopf_event("MODIFIED")  # from now on, echo before answer
+        bed.cluster_ready()
+        if phase == c.PHASE_SERVING:
+            await bed.until("the head job", lambda: bed.names(RAYJOB))
+            bed.ray.jobs["demo-j00001"] = "RUNNING"
+            bed.api.set_status(RAYJOB, "default", "demo-j00001",
+                               {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"})
+            bed.ctl.probes.nudge(KEY)
+        await bed.until(phase, lambda: bed.status().get("phase") == phase, timeout=5)
         await bed.settle()
         await bed.ctl.status.idle()
         (cluster,) = bed.names(RAYCLUSTER)
