@@ -13,8 +13,10 @@ import threading
 import time
 from typing import Any
 
+from aiohttp import web
+from kubernetes_asyncio import client
 from test_lease import FakeLeases
-from vllm_dp_operator.controller.lease import ElectionConfig, LeaderElector
+from vllm_dp_operator.controller.lease import ApiLeases, ElectionConfig, LeaderElector
 from vllm_dp_operator.controller.lease_thread import ElectionThread
 
 CFG = ElectionConfig("ops", "vdp", "a", lease_duration=0.6, renew_deadline=0.4,
@@ -120,3 +122,89 @@ async def test_on_its_own_thread_the_gate_closes_at_the_renew_deadline_when_rene
         assert not elector.may_write()
     finally:
         await election.stop(release=False)
+
+
+class LeaseServer:
+    """A Lease API over real HTTP on 127.0.0.1, on a thread and loop of its own (so a blocked
+    test loop does not stop it): one Lease, resourceVersions, the User-Agent of each call."""
+
+    PATH = "/apis/coordination.k8s.io/v1/namespaces/ops/leases"
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+        self.rv = 0
+        self.agents: list[str] = []
+        self.puts: list[float] = []
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._up = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    def _store(self, body: dict[str, Any]) -> web.Response:
+        self.rv += 1
+        body["metadata"]["resourceVersion"] = str(self.rv)
+        self.lease = body
+        return web.json_response(body)
+
+    async def _handle(self, req: web.Request) -> web.Response:
+        self.agents.append(req.headers.get("User-Agent", ""))
+        if req.method == "GET" and self.lease is None:
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        if req.method == "GET":
+            return web.json_response(self.lease)
+        body = await req.json()
+        if req.method == "POST":
+            return self._store(body)
+        assert self.lease is not None
+        if body["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
+            return web.json_response({"kind": "Status", "code": 409}, status=409)
+        self.puts.append(time.monotonic())
+        return self._store(body)
+
+    async def _serve(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", self.PATH, self._handle)
+        app.router.add_route("*", self.PATH + "/vdp", self._handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._up.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+    def __enter__(self) -> LeaseServer:
+        self._thread.start()
+        self._up.wait(5)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(5)
+
+
+async def test_over_http_its_own_client_renews_while_the_controller_loop_is_busy() -> None:
+    previous = client.Configuration.get_default_copy()
+    with LeaseServer() as server:
+        conf = client.Configuration(host=f"http://127.0.0.1:{server.port}")
+        client.Configuration.set_default(conf)  # what the operator's kubeconfig load does
+        leases = ApiLeases(user_agent="vllm-dp-operator/test a_123")
+        elector = LeaderElector(leases, CFG)
+        started = asyncio.Event()
+        election = ElectionThread(elector, close=leases.close)
+        try:
+            election.start(started.set, lambda: None)
+            await asyncio.wait_for(started.wait(), 5)
+            begin = time.monotonic()
+            _busy(BLOCK)
+            gap = _largest_gap(server.puts, begin, time.monotonic())
+            assert elector.may_write() and gap < CFG.renew_deadline, f"{gap:.3f} s"
+        finally:
+            await election.stop(release=True)
+            client.Configuration.set_default(previous)
+    assert server.lease is not None and server.lease["spec"]["holderIdentity"] == ""  # released
+    assert set(server.agents) == {"vllm-dp-operator/test a_123"}
