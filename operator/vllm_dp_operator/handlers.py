@@ -12,7 +12,6 @@ writes. The reconcile runs in the controller's workers (`controller/manager.py`)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -27,6 +26,7 @@ from vllm_dp_operator.controller.fence import WriteGate
 from vllm_dp_operator.controller.gate import OPEN, GatedApi, GatedRayJobs
 from vllm_dp_operator.controller.kube import VDP, ApiKube
 from vllm_dp_operator.controller.lease import ApiLeases, ElectionConfig, LeaderElector
+from vllm_dp_operator.controller.lease_thread import ElectionThread
 from vllm_dp_operator.controller.legacy_finalizer import LegacyFinalizer
 from vllm_dp_operator.controller.manager import Controller
 from vllm_dp_operator.engines.probe import TransportProbe
@@ -114,7 +114,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     elector: LeaderElector | None = None
     gate: WriteGate = OPEN
     if election.enabled:
-        elector = LeaderElector(ApiLeases(kube.api), ElectionConfig(
+        # Its own HTTP client, on its own thread (lease_thread.py): no reconcile delays it.
+        leases = ApiLeases(user_agent=kube.api.user_agent)
+        elector = LeaderElector(leases, ElectionConfig(
             namespace=election.lease_namespace, name=election.lease_name, identity=IDENTITY,
             lease_duration=election.lease_duration_seconds,
             renew_deadline=election.renew_deadline_seconds,
@@ -131,9 +133,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if elector is not None:
         log.info("Leader election on Lease %s/%s as %s", election.lease_namespace,
                  election.lease_name, IDENTITY)  # fmt: skip
-        memo.election = asyncio.create_task(
-            elector.run(on_started=lambda: _lead(memo), on_stopped=_lost_lease), name="election"
-        )
+        memo.election = ElectionThread(elector, close=leases.close)
+        memo.election.start(on_started=lambda: _lead(memo), on_stopped=_lost_lease)
     memo.metrics_server = None
     if CONFIG.metrics_port:
         # Reviews go straight to the API (not through the write gate): they store nothing,
@@ -164,9 +165,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     await memo.controller.stop()
     await memo.legacy.stop()
     if memo.election is not None:
-        memo.election.cancel()
-        await asyncio.gather(memo.election, return_exceptions=True)
-        await memo.elector.release()
+        await memo.election.stop(release=True)
     await memo.transport.close()
     await memo.kube.close()
 

@@ -10,10 +10,11 @@ clients of the bed reconnect on their own, and that is what the reliability tier
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from common import http_get, pid_alive
@@ -65,13 +66,20 @@ def restart(root: Path, name: str, down_seconds: float, crash: bool = False) -> 
     return start_component(root, name, rec)
 
 
-def pause(root: Path, name: str, seconds: float) -> None:
-    """Freeze a recorded component for `seconds` (SIGSTOP, then SIGCONT), by its PID."""
+@contextlib.contextmanager
+def frozen(root: Path, name: str) -> Iterator[None]:
+    """A recorded component frozen (SIGSTOP) for the block, then thawed (SIGCONT), by its PID."""
     rec = State(root).pids().get(name)
     if rec is None or not pid_matches(rec["pid"], rec["exe"]):
         raise RuntimeError(f"{name} is not running as recorded in {root / 'pids.json'}")
     os.kill(rec["pid"], signal.SIGSTOP)
     try:
-        time.sleep(seconds)
+        yield
     finally:
         os.kill(rec["pid"], signal.SIGCONT)
+
+
+def pause(root: Path, name: str, seconds: float) -> None:
+    """Freeze a recorded component for `seconds` (SIGSTOP, then SIGCONT), by its PID."""
+    with frozen(root, name):
+        time.sleep(seconds)

@@ -1,6 +1,7 @@
 """Test double for the API the controller needs: FakeKube plus resourceVersions and watches.
 
-Every write bumps one resourceVersion counter and appends an event to a log; a watch replays
+Every write bumps one resourceVersion counter and appends an event to a log (a status patch
+that changes nothing writes nothing, as on the API server); a watch replays
 the log from the resourceVersion it is given, then follows new events, like the API server's
 watch cache. `compact()` forgets the log, so older resourceVersions answer 410 Gone, and
 `end_watches()` ends every open stream, as the server does at a watch's timeout.
@@ -99,7 +100,12 @@ class FakeApi(FakeKube):
         if obj is None:
             raise ApiException(status=404, reason="Not Found")
         merged = {**(obj.get("status") or {}), **status}
-        obj["status"] = {k: v for k, v in merged.items() if v is not None}
+        merged = {k: v for k, v in merged.items() if v is not None}
+        if merged == (obj.get("status") or {}):
+            # As the API server: a patch that changes nothing writes nothing, so it has no new
+            # resourceVersion and no watch event.
+            return copy.deepcopy(obj)
+        obj["status"] = merged
         self._emit(kind, "MODIFIED", obj)
         return copy.deepcopy(obj)
 

@@ -161,6 +161,35 @@ def test_a_newer_generation_lands_over_a_held_write() -> None:
     assert got is not None and got["spec"] == {"x": 2}
 
 
+def test_an_answer_whose_version_the_watch_brought_while_an_older_answer_waited_lands() -> None:
+    # Two status patches in a row; kopf hands on only the second's event (it skips the first's
+    # echo), and that event comes before the second patch's answer. The event is set aside
+    # as older than the first answer; the second answer then names that very version, which
+    # the cache must hold from then on: a patch that changes nothing brings no new version.
+    cache = ObjectCache([RAYJOB])
+    cache.upsert(RAYJOB, obj("j", rv="1", status={}))
+    cache.wrote(RAYJOB, obj("j", rv="2", status={"phase": "Provisioning"}))
+    assert not cache.upsert(RAYJOB, obj("j", rv="3", status={"phase": "Launching"}))
+    cache.wrote(RAYJOB, obj("j", rv="3", status={"phase": "Launching"}))
+    got = cache.get(RAYJOB, "default", "j")
+    assert got is not None and got["status"] == {"phase": "Launching"}
+    assert got["metadata"]["resourceVersion"] == "3"
+    # Held no longer: the next version is news.
+    assert cache.upsert(RAYJOB, obj("j", rv="4", status={"phase": "Serving"}))
+
+
+def test_an_answer_the_watch_has_moved_past_takes_the_newest_event_set_aside() -> None:
+    cache = ObjectCache([RAYJOB])
+    cache.wrote(RAYJOB, obj("j", rv="2", status={"phase": "Provisioning"}))
+    assert not cache.upsert(RAYJOB, obj("j", rv="3", status={"phase": "Launching"}))
+    assert not cache.upsert(RAYJOB, obj("j", rv="4", status={"phase": "Launching"},
+                                        labels={"edited": "yes"}))  # fmt: skip
+    cache.wrote(RAYJOB, obj("j", rv="3", status={"phase": "Launching"}))
+    got = cache.get(RAYJOB, "default", "j")
+    assert got is not None and got["metadata"]["resourceVersion"] == "4"
+    assert got["metadata"]["labels"]["edited"] == "yes"
+
+
 def test_replace_reports_added_changed_and_vanished_objects() -> None:
     cache = ObjectCache([SERVICE])
     cache.upsert(SERVICE, obj("keep", rv="1"))

@@ -214,6 +214,9 @@ class ObjectCache:
         self._recent: dict[Kind, dict[tuple[str, str], tuple[str, ...]]] = {
             k: {} for k in self._objects
         }
+        #: The last event set aside while a write of ours waited for its echo (`upsert`): if
+        #: that echo never comes, it may be newer than the answer the cache holds (`wrote`).
+        self._parked: dict[Kind, dict[tuple[str, str], Obj]] = {k: {} for k in self._objects}
         self._writes = 0
 
     def holds(self, kind: Kind) -> bool:
@@ -286,10 +289,26 @@ class ObjectCache:
         obj = slim(kind, raw)
         key = _key(obj)
         self._writes += 1
-        if _rv(obj) in self._recent[kind].get(key, ()):
-            return  # the watch was here first, with this version or a later one
-        self._put(kind, key, obj)
-        self._held[kind][key] = (_rv(obj), self._writes)
+        rv, recent = _rv(obj), self._recent[kind].get(key, ())
+        if rv not in recent:
+            self._put(kind, key, obj)
+            self._held[kind][key] = (rv, self._writes)
+            return
+        # The watch was here first, with this version (two connections, no order between
+        # them). No news if the cache holds it or a version the watch delivered after it.
+        since = recent[recent.index(rv):]
+        old = self._objects[kind].get(key)
+        if old is not None and _rv(old) in since:
+            return
+        # The cache holds an earlier answer of ours, and set this very version aside as older
+        # than it: kopf hands on only the last of a quick run of events, so that answer's echo
+        # never came. Left so, the cache would keep the older status for good (a status patch
+        # that changes nothing has no new version, and no event follows it), and every wake
+        # would patch the same status again. Take the newest the watch delivered.
+        parked = self._parked[kind].pop(key, None)
+        newest = parked if parked is not None and _rv(parked) in since[1:] else obj
+        self._held[kind].pop(key, None)
+        self._put(kind, key, newest)
 
     def _saw(self, kind: Kind, key: tuple[str, str], obj: Obj) -> None:
         rv = _rv(obj)
@@ -312,12 +331,15 @@ class ObjectCache:
             if held is not None:
                 if _rv(obj) == held[0]:
                     del self._held[kind][key]
+                    self._parked[kind].pop(key, None)  # what was set aside came before it
                     return False
                 if not _moved_on(obj, old):
+                    self._parked[kind][key] = obj
                     return False
             elif _rv(obj) is not None and _rv(obj) == _rv(old):
                 return False
         self._held[kind].pop(key, None)
+        self._parked[kind].pop(key, None)
         self._put(kind, key, obj)
         return True
 
@@ -334,6 +356,7 @@ class ObjectCache:
         del self._objects[kind][key]
         self._held[kind].pop(key, None)
         self._recent[kind].pop(key, None)
+        self._parked[kind].pop(key, None)
         self._index_update(kind, old, add=False)
         return old
 
@@ -364,6 +387,7 @@ class ObjectCache:
                 continue
             new = fresh.get(key)
             ours = held.get(key)
+            self._parked[kind].pop(key, None)  # from the watch before the LIST: not newer
             if ours is not None and ours[1] > since:
                 if new is not None and _rv(new) == ours[0]:
                     del held[key]  # the list holds our write: the watch will not echo it

@@ -11,6 +11,10 @@ One process holds the Lease and writes; the others keep their caches warm and wa
   *began* within the renew deadline. The deadline (10 s) is shorter than the lease (15 s), so a
   process that cannot renew stops writing at least 5 s before any standby may take over.
 - **Release**: on a clean shutdown the holder clears holderIdentity, so a standby leads at once.
+- **Its own thread**: the loop runs on a thread of its own, with its own event loop and HTTP
+  client (`lease_thread.py`), so a busy reconcile loop never delays a renewal. The gate is
+  read from the controller's thread: the pair it reads (leading, last renewal sent) changes
+  under one lock.
 
 Times are monotonic seconds from `clock` (a fake one in the unit tests); the record's
 timestamps are informational (RFC 3339 from `wall`), as in client-go.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,14 +82,30 @@ class LeaseApi(Protocol):
 
 
 class ApiLeases:
-    """LeaseApi over the operator's REST client."""
+    """LeaseApi over a REST client: the one given, or with none given one of its own, made on
+    the first call in the loop that calls (the election thread's) and closed by `close`."""
 
-    def __init__(self, api: client.ApiClient) -> None:
-        self._api = api
+    def __init__(self, api: client.ApiClient | None = None, user_agent: str | None = None) -> None:
+        self._api, self._own = api, api is None
+        self._user_agent = user_agent
+
+    def _client(self) -> client.ApiClient:
+        if self._api is None:
+            # The kubeconfig or in-cluster credentials the process loaded as its default.
+            self._api = client.ApiClient()
+            if self._user_agent:
+                self._api.user_agent = self._user_agent
+        return self._api
+
+    async def close(self) -> None:
+        """Close the client this made for itself (a given one belongs to its giver)."""
+        if self._own and self._api is not None:
+            await self._api.close()
+            self._api = None
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         try:
-            return await self._api.call_api(
+            return await self._client().call_api(
                 path, method,
                 header_params={"Accept": "application/json", "Content-Type": "application/json"},
                 body=body, response_types_map={200: "object", 201: "object"},
@@ -136,7 +157,9 @@ class LeaderElector:
                 f"{cfg.retry_period} < {cfg.renew_deadline} < {cfg.lease_duration}"
             )
         self.api, self.cfg, self._clock, self._wall = api, cfg, clock, wall
-        self.leading = False
+        #: The gate's pair, written by the election thread and read by any: under `_lock`.
+        self._lock = threading.Lock()
+        self._leading = False
         #: When the last successful acquire or renewal was *sent* (monotonic).
         self._renewed_at = float("-inf")
         #: The record as last seen, and when this process saw it change (monotonic).
@@ -159,9 +182,25 @@ class LeaderElector:
 
     # ------------------------------------------------------------------ the gate
 
+    @property
+    def leading(self) -> bool:
+        """Whether this process holds the Lease by its last attempt."""
+        with self._lock:
+            return self._leading
+
     def may_write(self) -> bool:
         """Whether this process leads and renewed within the renew deadline."""
-        return self.leading and self._clock() - self._renewed_at < self.cfg.renew_deadline
+        with self._lock:
+            leading, renewed_at = self._leading, self._renewed_at
+        return leading and self._clock() - renewed_at < self.cfg.renew_deadline
+
+    def _renewed(self, sent_at: float) -> None:
+        with self._lock:
+            self._leading, self._renewed_at = True, sent_at
+
+    def _stop_leading(self) -> None:
+        with self._lock:
+            self._leading = False
 
     def check(self) -> None:
         """Raise NotLeading unless this process may write now."""
@@ -205,12 +244,12 @@ class LeaderElector:
             log.info("Acquired Lease %s/%s as %s", self.cfg.namespace, self.cfg.name,
                      self.identity)  # fmt: skip
         self._observe(spec, sent_at)
-        self.leading, self._renewed_at = True, sent_at
+        self._renewed(sent_at)
 
     def _lost(self, why: str) -> None:
         if self.leading:
             log.error("Lost Lease %s/%s: %s", self.cfg.namespace, self.cfg.name, why)
-        self.leading = False
+        self._stop_leading()
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt to take or keep the Lease; whether this process holds it after."""
@@ -285,7 +324,7 @@ class LeaderElector:
         """Clear holderIdentity if this process holds the Lease (a clean shutdown)."""
         if not self.leading:
             return
-        self.leading = False  # the gate closes before the record says so
+        self._stop_leading()  # the gate closes before the record says so
         try:
             current = await self.api.get(self.cfg.namespace, self.cfg.name)
             if current is None or (current.get("spec") or {}).get("holderIdentity") != \
