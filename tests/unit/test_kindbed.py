@@ -84,3 +84,17 @@ def test_the_runtime_wrapper_keeps_only_the_capabilities_root_has(tmp_path: Path
     assert caps == {"bounding": want, "effective": want}
     assert json.loads(process.read_text())["capabilities"] == {"bounding": want}
     assert "CAP_CHOWN" in want
+
+
+def test_the_node_containerd_clamps_oom_scores_and_runs_the_beds_pause() -> None:
+    kind_config = ('[plugins."io.containerd.grpc.v1.cri"]\n'
+                   '  sandbox_image = "registry.k8s.io/pause:3.10"\n'
+                   "  restrict_oom_score_adj = false\n")  # fmt: skip
+    ours = kindnode.containerd_config(kind_config)
+    assert f'sandbox_image = "{kindnode.PAUSE_IMAGE}"' in ours
+    assert "restrict_oom_score_adj = true" in ours and "= false" not in ours
+
+
+def test_a_kind_containerd_config_without_the_expected_lines_is_named() -> None:
+    with pytest.raises(kindnode.imagefs.BuildError, match="restrict_oom_score_adj"):
+        kindnode.containerd_config('sandbox_image = "registry.k8s.io/pause:3.10"\n')
