@@ -10,8 +10,9 @@ KubeRay at versions.env's KUBERAY_VERSION. Here the chart is installed with helm
   completion through its Service.
 
 `make e2e-kind` runs it (root: the tier starts its own dockerd); it skips, saying why, where
-the tier's Docker cannot run (not root, no dockerd and no apt-get). The cluster is removed
-afterwards (`make e2e-kind-down` does the same by hand). Knobs (docs/install.md):
+the tier's Docker cannot run (not root, no dockerd and no apt-get). The bed is conftest's
+`kind_bed`; test_kind_down.py takes it down last and checks the host (`make e2e-kind-down`
+does the same by hand). Knobs (docs/install.md):
 
   KIND_NODE_IMAGE=<ref>     use that node image (an upstream kindest/node on a host that can
                             pull it) instead of the one built here
@@ -45,11 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testbed"))
 import chartlib
 
+from .conftest import KindBed
+
 pytestmark = pytest.mark.kind
 
 REPO = chartlib.REPO
 REAL = os.environ.get("VLLMDP_E2E_ENGINE", "double") == "real"
-KEEP = os.environ.get("VLLMDP_E2E_KEEP") == "1"
 OPERATOR_IMAGE = os.environ.get("VLLMDP_E2E_OPERATOR_IMAGE", "vllm-dp-operator:dev")
 ENGINE_IMAGE = os.environ.get("VLLMDP_E2E_ENGINE_IMAGE", "vllm-dp-engine:0.1.0")
 DOUBLE_IMAGE = "vllm-dp-engine-double:dev"
@@ -137,38 +139,18 @@ def _helm_or_skip() -> str:
         pytest.skip(f"helm unavailable (tests/chart/ensure_helm.sh needs Go): {exc}")
 
 
-def _kind_tier_or_skip() -> None:
-    """Skip, saying why, where this tier's own Docker engine cannot run; nothing else skips."""
-    import hostreqs
-
-    if os.geteuid() != 0:
-        pytest.skip("the kind tier starts its own Docker engine (dockerd): run it as root")
-    try:
-        hostreqs.ensure_uses("kind")
-    except hostreqs.MissingHostCommand as exc:
-        pytest.skip(f"the kind tier's host commands are missing: {exc}")
-
-
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     if REAL:
         # A GPU user's cluster: the current kube context, images from a registry it can pull.
         kubeconfig = Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
         yield Cluster("kubectl", _helm_or_skip(), kubeconfig)
         return
-    _kind_tier_or_skip()
-    helm = _helm_or_skip()
-    import kindbed
-
-    try:
-        bed = kindbed.up()
-        c = Cluster(str(bed.kubectl_bin), helm, bed.kubeconfig)
-        _install_operator(c)
-        yield c
-    finally:
-        if not KEEP:
-            left = kindbed.down()
-            assert left == [], f"`kindbed.py down` left these on the host: {left}"
+    kind_bed: KindBed = request.getfixturevalue("kind_bed")
+    bed = kind_bed.bed
+    c = Cluster(str(bed.kubectl_bin), _helm_or_skip(), bed.kubeconfig)
+    _install_operator(c)
+    yield c
 
 
 def _install_operator(c: Cluster) -> None:
