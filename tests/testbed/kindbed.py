@@ -2,6 +2,7 @@
 """The kind tier's cluster: two kind nodes on this tier's own Docker engine (kinddocker.py),
 from the node image built here (kindnode.py), with what the e2e tests expect (root).
 
+    python tests/testbed/kindbed.py build    # what `up` needs, built or reused; starts nothing
     python tests/testbed/kindbed.py up       # prints `export KUBECONFIG=...`
     python tests/testbed/kindbed.py down     # clusters, containers, network, daemon; leftovers
     python tests/testbed/kindbed.py status
@@ -226,13 +227,21 @@ def load_archives(archives: list[Path]) -> None:
         log(f"kind: loaded {archive.name} in {time.monotonic() - t0:.1f}s")
 
 
+def build() -> tuple[dict[str, Path], tuple[Path, str]]:
+    """Build (or reuse) everything `up` runs that needs no daemon: kind, kubeadm and etcd, the
+    node image, the test images and KubeRay's image; return the test images' and KubeRay's
+    archives (and KubeRay's ref)."""
+    kindbins.build()
+    binaries.build()
+    if not os.environ.get("KIND_NODE_IMAGE"):
+        kindnode.build()
+    return images.build(list(TEST_IMAGES)), kuberay_image()
+
+
 def up() -> Bed:
     """Bring the tier up (or find it up); return how to reach the cluster."""
     t0 = time.monotonic()
-    kindbins.build()
-    binaries.build()
-    archives = images.build(list(TEST_IMAGES))
-    ray_archive, ray_ref = kuberay_image()
+    archives, (ray_archive, ray_ref) = build()
     kinddocker.start()
     node_image, ours = _node_image()
     bed = Bed(kubeconfig_path(), binaries.bin_dir() / "kubectl", node_image)
@@ -279,10 +288,12 @@ def status() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cmd", choices=("up", "down", "status"))
+    ap.add_argument("cmd", choices=("build", "up", "down", "status"))
     a = ap.parse_args(argv)
     try:
-        if a.cmd == "up":
+        if a.cmd == "build":
+            build()
+        elif a.cmd == "up":
             bed = up()
             print(f"export KUBECONFIG={bed.kubeconfig}")
         elif a.cmd == "down":
