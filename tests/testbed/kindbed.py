@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -161,6 +162,49 @@ def _nodes_ready(bed: Bed) -> bool:
         for n in items)  # fmt: skip
 
 
+def coredns_plugins() -> set[str]:
+    """The plugins in the bed's CoreDNS build (the ones nodecmd/coredns imports)."""
+    main = (binaries.NODECMD / "coredns" / "main.go").read_text()
+    return set(re.findall(r'"github\.com/coredns/coredns/plugin/(\w+)"', main))
+
+
+def corefile_for(corefile: str, plugins: set[str]) -> str:
+    """kubeadm's Corefile less each directive (and its block) the bed's CoreDNS has no plugin
+    for: CoreDNS refuses to start on an unknown one, and the bed's build holds only what the
+    real-node bed's Corefile uses (kubeadm's also names prometheus, loop, reload, ...)."""
+    out, depth, skip_to = [], 0, None
+    for line in corefile.splitlines():
+        delta = line.count("{") - line.count("}")
+        words = line.split()
+        if skip_to is None and depth == 1 and words and words[0] != "}" \
+                and words[0] not in plugins:  # fmt: skip
+            skip_to = depth
+        depth += delta
+        if skip_to is None:
+            out.append(line)
+        elif depth <= skip_to:
+            skip_to = None
+    return "\n".join(out) + "\n"
+
+
+def use_beds_coredns(bed: Bed) -> None:
+    """Fit kubeadm's CoreDNS config to the bed's CoreDNS build (our node image only)."""
+    cm = bed.json("-n", "kube-system", "get", "configmap", "coredns")
+    fitted = corefile_for(cm["data"]["Corefile"], coredns_plugins())
+    if fitted != cm["data"]["Corefile"]:
+        patch = json.dumps({"data": {"Corefile": fitted}})
+        bed.kubectl("-n", "kube-system", "patch", "configmap", "coredns", f"-p={patch}")
+        bed.kubectl("-n", "kube-system", "rollout", "restart", "deployment/coredns")
+
+
+def _coredns_logs(bed: Bed) -> str:
+    proc = bed.kubectl("-n", "kube-system", "logs", "-l", "k8s-app=kube-dns", "--tail=20",
+                       "--prefix", check=False)  # fmt: skip
+    pods = bed.kubectl("-n", "kube-system", "get", "pods", "-l", "k8s-app=kube-dns", "-o", "wide",
+                       check=False)  # fmt: skip
+    return f"{pods.stdout}{proc.stdout[-4000:]}{proc.stderr[-1000:]}"
+
+
 def advertise_gpus(bed: Bed, count: int = GPUS_PER_NODE) -> None:
     """As the real-node bed does: PATCH each node's status capacity; kubelet copies it into
     allocatable on its next status update."""
@@ -257,8 +301,13 @@ def up() -> Bed:
     # it is a host process): wherever its pods land, one node stays free for the head.
     bed.kubectl("taint", "nodes", "--all", "node-role.kubernetes.io/control-plane-", check=False)
     bed.kubectl("-n", "kube-system", "set", "resources", "deployment/coredns", "--requests=cpu=0")
-    bed.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=180s",
-                timeout=200)  # fmt: skip
+    if ours:
+        use_beds_coredns(bed)
+    try:
+        bed.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns",
+                    "--timeout=180s", timeout=200)  # fmt: skip
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}\n{_coredns_logs(bed)}") from e
     advertise_gpus(bed)
     if created:
         load_archives([ray_archive, *archives.values()])

@@ -98,3 +98,41 @@ def test_the_node_containerd_clamps_oom_scores_and_runs_the_beds_pause() -> None
 def test_a_kind_containerd_config_without_the_expected_lines_is_named() -> None:
     with pytest.raises(kindnode.imagefs.BuildError, match="restrict_oom_score_adj"):
         kindnode.containerd_config('sandbox_image = "registry.k8s.io/pause:3.10"\n')
+
+
+COREFILE = """.:53 {
+    errors
+    health {
+       lameduck 5s
+    }
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+       pods insecure
+    }
+    prometheus :9153
+    forward . /etc/resolv.conf {
+       max_concurrent 1000
+    }
+    loop
+    reload
+}
+"""
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_kubeadms_corefile_keeps_only_what_the_beds_coredns_has() -> None:
+    plugins = kindbed.coredns_plugins()
+    assert {"kubernetes", "forward", "health", "errors"} <= plugins and "reload" not in plugins
+    fitted = kindbed.corefile_for(COREFILE, plugins)
+    assert _words(fitted) == (".:53 { errors health { lameduck 5s } kubernetes cluster.local "
+                              "in-addr.arpa ip6.arpa { pods insecure } forward . "
+                              "/etc/resolv.conf { max_concurrent 1000 } }")  # fmt: skip
+
+
+def test_a_directive_with_a_block_goes_with_its_block() -> None:
+    fitted = kindbed.corefile_for(COREFILE, {"errors", "forward"})
+    assert _words(fitted) == ".:53 { errors forward . /etc/resolv.conf { max_concurrent 1000 } }"
+    every = kindbed.coredns_plugins() | {"prometheus", "loop", "reload"}
+    assert kindbed.corefile_for(COREFILE, every) == COREFILE
