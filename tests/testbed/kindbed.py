@@ -37,6 +37,7 @@ import binaries
 import images
 import kindbins
 import kinddocker
+import kindload
 import kindnode
 import oci
 import yaml
@@ -117,7 +118,7 @@ def _node_image() -> tuple[str, bool]:
     if upstream := os.environ.get("KIND_NODE_IMAGE"):
         return upstream, False
     archive = kindnode.build()
-    kinddocker.load(archive, kindnode.node_ref())
+    kindload.load(archive, kindnode.node_ref())
     return kindnode.node_ref(), True
 
 
