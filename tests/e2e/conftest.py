@@ -10,6 +10,7 @@ tests skip and say why; nothing else skips.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testbed"))
 import kindbed
+import kindbins
 
 KEEP = os.environ.get("VLLMDP_E2E_KEEP") == "1"
 LAST = ("test_kind_down.py",)
@@ -43,6 +45,8 @@ def _kind_tier_or_skip() -> None:
         hostreqs.ensure_uses("kind")
     except hostreqs.MissingHostCommand as exc:
         pytest.skip(f"the kind tier's host commands are missing: {exc}")
+    if shutil.which("go") is None and not kindbins.present():
+        pytest.skip("the kind tier builds kind, kubeadm and etcd: no Go toolchain and none cached")
 
 
 @dataclass
