@@ -230,6 +230,9 @@ def _double_resource() -> dict[str, Any]:
     }
     if not REAL:
         spec["image"] = DOUBLE_IMAGE
+        # 1 CPU a pod and 1 more on the head for its one API server: the head takes a whole
+        # 2-CPU kind node (the operator's default, an API server per rank, would ask 3).
+        spec["apiServerCount"] = 1
         spec["resources"] = {"cpu": "1", "memory": "3Gi"}
         spec["shmSize"] = "256Mi"
     return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",

@@ -97,19 +97,41 @@ def kind(*args: str, check: bool = True, timeout: float = 900) -> subprocess.Com
     return proc
 
 
-def cluster_config(ours: bool) -> dict[str, Any]:
+# kubeadm's patches for the control plane's static pods (kubeadm's --patches files, one per
+# component): no CPU requests. kubeadm asks 650m of the control-plane node's CPU for them, and
+# the tests' Ray heads ask for a whole 2-CPU node (1 per pod and 1 per API server): with those
+# requests only the worker could hold a head, and a worker pod scheduled there first would leave
+# it Pending for good. On the real-node bed the control plane is host processes, asking nothing.
+STATIC_PODS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
+PATCHES_IN_NODE = "/kind/vllmdp-patches"
+
+
+def static_pod_patches() -> dict[str, str]:
+    """File name -> kubeadm strategic-merge patch of that static pod."""
+    def patch(c: str) -> str:
+        return yaml.safe_dump({"spec": {"containers": [
+            {"name": c, "resources": {"requests": {"cpu": "0"}}}]}})  # fmt: skip
+
+    return {f"{c}+strategic.yaml": patch(c) for c in STATIC_PODS}
+
+
+def cluster_config(ours: bool, patches_dir: Path) -> dict[str, Any]:
     """kind's config: a control plane and a worker. kubelet v1.35+ refuses cgroup v1 unless
-    told (this host's hierarchy may be v1). Our node image carries our CNI, in the address plan
-    of kindnode.py, and CoreDNS at the bed's own version."""
-    patches = ["kind: KubeletConfiguration\nfailCgroupV1: false\n"]
+    told (this host's hierarchy may be v1). The control plane's static pods ask for no CPU
+    (`static_pod_patches`, mounted from `patches_dir`). Our node image carries our CNI, in the
+    address plan of kindnode.py, and CoreDNS at the bed's own version."""
+    patches = ["kind: KubeletConfiguration\nfailCgroupV1: false\n",
+               f"kind: InitConfiguration\npatches:\n  directory: {PATCHES_IN_NODE}\n"]
     networking: dict[str, Any] = {"ipFamily": "ipv4"}
     if ours:
         networking.update(disableDefaultCNI=True, podSubnet=kindnode.POD_SUBNET,
                           serviceSubnet=kindnode.SERVICE_SUBNET)  # fmt: skip
         patches.append("kind: ClusterConfiguration\ndns:\n  imageTag: "
                        f"{versions()['COREDNS_VERSION']}\n")  # fmt: skip
+    control_plane = {"role": "control-plane", "extraMounts": [
+        {"hostPath": str(patches_dir), "containerPath": PATCHES_IN_NODE, "readOnly": True}]}
     return {"kind": "Cluster", "apiVersion": "kind.x-k8s.io/v1alpha4", "networking": networking,
-            "nodes": [{"role": "control-plane"}, {"role": "worker"}],
+            "nodes": [control_plane, {"role": "worker"}],
             "kubeadmConfigPatches": patches}  # fmt: skip
 
 
@@ -123,8 +145,12 @@ def _node_image() -> tuple[str, bool]:
 
 
 def _create(node_image: str, ours: bool) -> None:
+    patches_dir = state_dir() / "kubeadm-patches"
+    patches_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in static_pod_patches().items():
+        (patches_dir / name).write_text(text)
     config = state_dir() / "kind-config.yaml"
-    config.write_text(yaml.safe_dump(cluster_config(ours), sort_keys=False))
+    config.write_text(yaml.safe_dump(cluster_config(ours, patches_dir), sort_keys=False))
     t0 = time.monotonic()
     try:
         kind("create", "cluster", f"--name={CLUSTER}", f"--image={node_image}",
@@ -298,8 +324,8 @@ def up() -> Bed:
         created = False
     _wait("both nodes Ready", lambda: _nodes_ready(bed), 300, _node_logs)
     # Both nodes take pods: the Ray head and its worker need one each. The CPU example's head
-    # asks for all 2 CPUs of a node, so CoreDNS asks for none (as on the real-node bed, where
-    # it is a host process): wherever its pods land, one node stays free for the head.
+    # asks for all 2 CPUs of a node, so CoreDNS, like the control plane, asks for none (as on
+    # the real-node bed, where they are host processes): either node can hold the head.
     bed.kubectl("taint", "nodes", "--all", "node-role.kubernetes.io/control-plane-", check=False)
     bed.kubectl("-n", "kube-system", "set", "resources", "deployment/coredns", "--requests=cpu=0")
     if ours:

@@ -24,7 +24,7 @@ def _patches(config: dict[str, object]) -> list[dict[str, object]]:
 
 
 def test_our_node_image_gets_our_cni_our_address_plan_and_the_beds_coredns() -> None:
-    config = kindbed.cluster_config(ours=True)
+    config = kindbed.cluster_config(ours=True, patches_dir=Path("/p"))
     assert config["networking"] == {"ipFamily": "ipv4", "disableDefaultCNI": True,
                                     "podSubnet": "10.212.0.0/16",
                                     "serviceSubnet": "10.213.0.0/16"}  # fmt: skip
@@ -37,9 +37,25 @@ def test_our_node_image_gets_our_cni_our_address_plan_and_the_beds_coredns() -> 
 
 
 def test_an_upstream_node_image_keeps_kinds_cni_and_images() -> None:
-    config = kindbed.cluster_config(ours=False)
+    config = kindbed.cluster_config(ours=False, patches_dir=Path("/p"))
     assert config["networking"] == {"ipFamily": "ipv4"}
-    assert [p["kind"] for p in _patches(config)] == ["KubeletConfiguration"]
+    assert [p["kind"] for p in _patches(config)] == ["KubeletConfiguration", "InitConfiguration"]
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_the_control_planes_static_pods_ask_for_no_cpu(ours: bool) -> None:
+    config = kindbed.cluster_config(ours=ours, patches_dir=Path("/state/patches"))
+    init = {p["kind"]: p for p in _patches(config)}["InitConfiguration"]
+    assert init["patches"] == {"directory": kindbed.PATCHES_IN_NODE}
+    assert config["nodes"][0]["extraMounts"] == [{"hostPath": "/state/patches", "readOnly": True,
+                                                  "containerPath": kindbed.PATCHES_IN_NODE}]
+    patches = kindbed.static_pod_patches()
+    assert sorted(patches) == sorted(f"{c}+strategic.yaml" for c in
+                                     ("etcd", "kube-apiserver", "kube-controller-manager",
+                                      "kube-scheduler"))  # fmt: skip
+    for name, text in patches.items():
+        (container,) = yaml.safe_load(text)["spec"]["containers"]
+        assert container == {"name": name.split("+")[0], "resources": {"requests": {"cpu": "0"}}}
 
 
 def test_the_cni_plan_stays_off_the_other_beds_ranges() -> None:
