@@ -44,7 +44,7 @@ def _processes(state: Path) -> list[str]:
             continue
         if stat == "Z" or "pytest" in cmdline:  # a zombie holds nothing; PID 1 here never reaps
             continue
-        if (str(state) in cmdline or f"/{kinddocker.CGROUP_PARENT}" in cgroup
+        if (f"{state}/" in cmdline or f"/{kinddocker.CGROUP_PARENT}" in cgroup
                 or ("docker-proxy" in cmdline and kindnode.NODE_NET in cmdline)):  # fmt: skip
             found.append(f"{proc.name}: {cmdline[:150]}")
     return found
