@@ -18,7 +18,7 @@ NODES ?=
 .PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane bench-serving \
-        image engine-image e2e-kind e2e-kind-down images images-smoke
+        image engine-image kind-build e2e-kind e2e-kind-down images images-smoke
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
@@ -143,6 +143,10 @@ image: ## Operator image (needs Docker)
 
 engine-image: ## Engine image: vLLM 0.33.0 + Ray 2.60.0 + launcher (needs Docker)
 	docker build -t $(ENGINE_IMAGE) engine_image
+
+kind-build: ## Build (or reuse) what the kind tier runs: kind, kubeadm, etcd, its node image, the test images (root)
+	@$(HOSTREQS) ensure base build kwok cluster images kind
+	$(BIN)/python tests/testbed/kindbed.py build
 
 e2e-kind: ## End to end on kind: its own dockerd, a node image built here, the chart, DP=2 double and dev-cpu (root)
 	@$(HOSTREQS) ensure base build kwok cluster images kind

@@ -10,8 +10,9 @@ KubeRay at versions.env's KUBERAY_VERSION. Here the chart is installed with helm
   completion through its Service.
 
 `make e2e-kind` runs it (root: the tier starts its own dockerd); it skips, saying why, where
-the tier's Docker cannot run (not root, no dockerd and no apt-get). The cluster is removed
-afterwards (`make e2e-kind-down` does the same by hand). Knobs (docs/install.md):
+the tier's Docker cannot run (not root, no dockerd and no apt-get). The bed is conftest's
+`kind_bed`; test_kind_down.py takes it down last and checks the host (`make e2e-kind-down`
+does the same by hand). Knobs (docs/install.md):
 
   KIND_NODE_IMAGE=<ref>     use that node image (an upstream kindest/node on a host that can
                             pull it) instead of the one built here
@@ -25,14 +26,11 @@ afterwards (`make e2e-kind-down` does the same by hand). Knobs (docs/install.md)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testbed"))
 import chartlib
 
+from .conftest import KindBed
+
 pytestmark = pytest.mark.kind
 
 REPO = chartlib.REPO
 REAL = os.environ.get("VLLMDP_E2E_ENGINE", "double") == "real"
-KEEP = os.environ.get("VLLMDP_E2E_KEEP") == "1"
 OPERATOR_IMAGE = os.environ.get("VLLMDP_E2E_OPERATOR_IMAGE", "vllm-dp-operator:dev")
 ENGINE_IMAGE = os.environ.get("VLLMDP_E2E_ENGINE_IMAGE", "vllm-dp-engine:0.1.0")
 DOUBLE_IMAGE = "vllm-dp-engine-double:dev"
@@ -137,38 +136,18 @@ def _helm_or_skip() -> str:
         pytest.skip(f"helm unavailable (tests/chart/ensure_helm.sh needs Go): {exc}")
 
 
-def _kind_tier_or_skip() -> None:
-    """Skip, saying why, where this tier's own Docker engine cannot run; nothing else skips."""
-    import hostreqs
-
-    if os.geteuid() != 0:
-        pytest.skip("the kind tier starts its own Docker engine (dockerd): run it as root")
-    try:
-        hostreqs.ensure_uses("kind")
-    except hostreqs.MissingHostCommand as exc:
-        pytest.skip(f"the kind tier's host commands are missing: {exc}")
-
-
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     if REAL:
         # A GPU user's cluster: the current kube context, images from a registry it can pull.
         kubeconfig = Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
         yield Cluster("kubectl", _helm_or_skip(), kubeconfig)
         return
-    _kind_tier_or_skip()
-    helm = _helm_or_skip()
-    import kindbed
-
-    try:
-        bed = kindbed.up()
-        c = Cluster(str(bed.kubectl_bin), helm, bed.kubeconfig)
-        _install_operator(c)
-        yield c
-    finally:
-        if not KEEP:
-            left = kindbed.down()
-            assert left == [], f"`kindbed.py down` left these on the host: {left}"
+    kind_bed: KindBed = request.getfixturevalue("kind_bed")
+    bed = kind_bed.bed
+    c = Cluster(str(bed.kubectl_bin), _helm_or_skip(), bed.kubeconfig)
+    _install_operator(c)
+    yield c
 
 
 def _install_operator(c: Cluster) -> None:
@@ -179,39 +158,23 @@ def _install_operator(c: Cluster) -> None:
            *(f"--set={v}" for v in local), "--wait", "--timeout=5m")  # fmt: skip
 
 
-@contextlib.contextmanager
-def _port_forward(c: Cluster, target: str, namespace: str, remote: int) -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        local = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [c.kubectl_bin, f"--kubeconfig={c.kubeconfig}", "port-forward", target,
-         f"{local}:{remote}", "-n", namespace],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", local), 1):
-                break
-            if proc.poll() is not None:
-                output = proc.stdout.read() if proc.stdout else ""
-                raise AssertionError(f"port-forward exited: {output}")
-            time.sleep(0.3)
-        yield local
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+# Run inside a Ray pod (the engine images have python3): GET or POST from the pod network. The
+# API Service has no selector (the operator writes its EndpointSlice itself), so `kubectl
+# port-forward svc/...` cannot attach to it; a pod reaches it as clients do, by its DNS name.
+_POD_HTTP = ("import json,sys,urllib.request as u;b=sys.argv[2].encode() or None;"
+             "r=u.Request(sys.argv[1],data=b,headers={'Content-Type':'application/json'});"
+             "print(u.urlopen(r,timeout=120).read().decode())")  # fmt: skip
 
 
-def _http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return resp.status, json.loads(resp.read() or b"null")
+def _through_service(c: Cluster, ns: str, url: str, body: dict[str, Any] | None = None) -> Any:
+    """GET (POST with `body`) `url` from the Ray worker pod, which is on the other node than
+    the head: through the Service's name and ClusterIP, across nodes. A non-2xx answer fails."""
+    pods = c.json("get", "pods", "-n", ns, "-l", "ray.io/node-type=worker")["items"]
+    assert pods, f"no Ray worker pod in {ns}"
+    proc = c.kubectl("exec", "-n", ns, pods[0]["metadata"]["name"], "--", "python3", "-c",
+                     _POD_HTTP, url, json.dumps(body) if body is not None else "",
+                     timeout=180)  # fmt: skip
+    return json.loads(proc.stdout)
 
 
 CHILD_KINDS = ("rayclusters.ray.io", "rayjobs.ray.io", "services")
@@ -248,33 +211,54 @@ def _double_resource() -> dict[str, Any]:
     }
     if not REAL:
         spec["image"] = DOUBLE_IMAGE
+        # 1 CPU a pod and 1 more on the head for its one API server: the head takes a whole
+        # 2-CPU kind node (the operator's default, an API server per rank, would ask 3).
+        spec["apiServerCount"] = 1
         spec["resources"] = {"cpu": "1", "memory": "3Gi"}
         spec["shmSize"] = "256Mi"
     return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
             "metadata": {"name": NAME, "namespace": DOUBLE_NS}, "spec": spec}  # fmt: skip
 
 
-def test_dp2_on_the_engine_double_serves_and_deletes_cleanly(cluster: Cluster) -> None:
+def _own_namespace(c: Cluster, ns: str) -> Iterator[str]:
+    """The test's namespace, deleted (and waited for) after it, pass or fail: the next test's
+    Ray head needs a whole node, which pods left behind would hold."""
+    c.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true", timeout=300)
+    yield ns
+    c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=240s", check=False,
+              timeout=300)  # fmt: skip
+
+
+@pytest.fixture
+def double_ns(cluster: Cluster) -> Iterator[str]:
+    yield from _own_namespace(cluster, DOUBLE_NS)
+
+
+@pytest.fixture
+def cpu_ns(cluster: Cluster) -> Iterator[str]:
+    yield from _own_namespace(cluster, CPU_NS)
+
+
+def test_dp2_on_the_engine_double_serves_and_deletes_cleanly(cluster: Cluster,
+                                                             double_ns: str) -> None:
     c = cluster
     obj = _apply_and_wait_serving(c, _double_resource())
     assert obj["status"]["endpoint"] == f"http://{NAME}-api.{DOUBLE_NS}.svc:8000/v1"
     assert set(_children(c, DOUBLE_NS, NAME)) == set(CHILD_KINDS), _children(c, DOUBLE_NS, NAME)
 
-    with _port_forward(c, f"svc/{NAME}-api", DOUBLE_NS, 8000) as port:
-        base = f"http://127.0.0.1:{port}"
-        code, models = _http("GET", f"{base}/v1/models")
-        assert code == 200 and SERVED in [m["id"] for m in models["data"]], models
-        code, answer = _http("POST", f"{base}/v1/completions",
-                             {"model": SERVED, "prompt": "Say hi", "max_tokens": 4})  # fmt: skip
-        assert code == 200 and answer["choices"], answer
-        if not REAL:
-            # The double recorded how the launcher started `vllm serve`.
-            _, recorded = _http("GET", f"{base}/double/argv")
-            argv = recorded["argv"]
-            assert argv[:2] == ["serve", MODEL], argv
-            joined = " ".join(argv)
-            assert "--data-parallel-size 2" in joined or "--data-parallel-size=2" in joined, argv
-            assert "ray" in joined and "--data-parallel-backend" in joined, argv
+    base = obj["status"]["endpoint"].removesuffix("/v1")
+    models = _through_service(c, DOUBLE_NS, f"{base}/v1/models")
+    assert SERVED in [m["id"] for m in models["data"]], models
+    answer = _through_service(c, DOUBLE_NS, f"{base}/v1/completions",
+                              {"model": SERVED, "prompt": "Say hi", "max_tokens": 4})  # fmt: skip
+    assert answer["choices"], answer
+    if not REAL:
+        # The double recorded how the launcher started `vllm serve`.
+        argv = _through_service(c, DOUBLE_NS, f"{base}/double/argv")["argv"]
+        assert argv[:2] == ["serve", MODEL], argv
+        joined = " ".join(argv)
+        assert "--data-parallel-size 2" in joined or "--data-parallel-size=2" in joined, argv
+        assert "ray" in joined and "--data-parallel-backend" in joined, argv
 
     c.kubectl("delete", "vllmdataparallels.vllmdp.io", NAME, "-n", DOUBLE_NS, "--wait=true",
               "--timeout=180s", timeout=240)  # fmt: skip
@@ -286,7 +270,8 @@ def test_dp2_on_the_engine_double_serves_and_deletes_cleanly(cluster: Cluster) -
 
 
 @pytest.mark.skipif(REAL, reason="the CPU example runs the test image built here (kind only)")
-def test_dev_cpu_example_on_vllm_cpu_engines_serves_a_completion(cluster: Cluster) -> None:
+def test_dev_cpu_example_on_vllm_cpu_engines_serves_a_completion(cluster: Cluster,
+                                                                 cpu_ns: str) -> None:
     c = cluster
     doc: dict[str, Any] = yaml.safe_load(CPU_EXAMPLE.read_text())
     doc["metadata"]["namespace"] = CPU_NS
@@ -297,9 +282,7 @@ def test_dev_cpu_example_on_vllm_cpu_engines_serves_a_completion(cluster: Cluste
     sys.stderr.write(f"[kind] {name} Serving {time.monotonic() - t0:.0f}s after apply\n")
     pods = c.json("get", "pods", "-n", CPU_NS, "-l", "ray.io/cluster")["items"]
     assert len({p["spec"]["nodeName"] for p in pods}) == 2, [p["spec"]["nodeName"] for p in pods]
-    with _port_forward(c, f"svc/{name}-api", CPU_NS, 8000) as port:
-        code, out = _http("POST", f"http://127.0.0.1:{port}/v1/completions",
-                          {"model": served, "prompt": "hello world", "max_tokens": 4})  # fmt: skip
-    assert code == 200 and out["object"] == "text_completion" and out["model"] == served, out
+    out = _through_service(c, CPU_NS, f"http://{name}-api.{CPU_NS}.svc:8000/v1/completions",
+                           {"model": served, "prompt": "hello world", "max_tokens": 4})  # fmt: skip
+    assert out["object"] == "text_completion" and out["model"] == served, out
     assert out["usage"]["completion_tokens"] >= 1 and len(out["choices"]) == 1, out
-    c.kubectl("delete", "namespace", CPU_NS, "--wait=false", check=False)

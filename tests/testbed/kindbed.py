@@ -2,6 +2,7 @@
 """The kind tier's cluster: two kind nodes on this tier's own Docker engine (kinddocker.py),
 from the node image built here (kindnode.py), with what the e2e tests expect (root).
 
+    python tests/testbed/kindbed.py build    # what `up` needs, built or reused; starts nothing
     python tests/testbed/kindbed.py up       # prints `export KUBECONFIG=...`
     python tests/testbed/kindbed.py down     # clusters, containers, network, daemon; leftovers
     python tests/testbed/kindbed.py status
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ import binaries
 import images
 import kindbins
 import kinddocker
+import kindload
 import kindnode
 import oci
 import yaml
@@ -94,19 +97,41 @@ def kind(*args: str, check: bool = True, timeout: float = 900) -> subprocess.Com
     return proc
 
 
-def cluster_config(ours: bool) -> dict[str, Any]:
+# kubeadm's patches for the control plane's static pods (kubeadm's --patches files, one per
+# component): no CPU requests. kubeadm asks 650m of the control-plane node's CPU for them, and
+# the tests' Ray heads ask for a whole 2-CPU node (1 per pod and 1 per API server): with those
+# requests only the worker could hold a head, and a worker pod scheduled there first would leave
+# it Pending for good. On the real-node bed the control plane is host processes, asking nothing.
+STATIC_PODS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
+PATCHES_IN_NODE = "/kind/vllmdp-patches"
+
+
+def static_pod_patches() -> dict[str, str]:
+    """File name -> kubeadm strategic-merge patch of that static pod."""
+    def patch(c: str) -> str:
+        return yaml.safe_dump({"spec": {"containers": [
+            {"name": c, "resources": {"requests": {"cpu": "0"}}}]}})  # fmt: skip
+
+    return {f"{c}+strategic.yaml": patch(c) for c in STATIC_PODS}
+
+
+def cluster_config(ours: bool, patches_dir: Path) -> dict[str, Any]:
     """kind's config: a control plane and a worker. kubelet v1.35+ refuses cgroup v1 unless
-    told (this host's hierarchy may be v1). Our node image carries our CNI, in the address plan
-    of kindnode.py, and CoreDNS at the bed's own version."""
-    patches = ["kind: KubeletConfiguration\nfailCgroupV1: false\n"]
+    told (this host's hierarchy may be v1). The control plane's static pods ask for no CPU
+    (`static_pod_patches`, mounted from `patches_dir`). Our node image carries our CNI, in the
+    address plan of kindnode.py, and CoreDNS at the bed's own version."""
+    patches = ["kind: KubeletConfiguration\nfailCgroupV1: false\n",
+               f"kind: InitConfiguration\npatches:\n  directory: {PATCHES_IN_NODE}\n"]
     networking: dict[str, Any] = {"ipFamily": "ipv4"}
     if ours:
         networking.update(disableDefaultCNI=True, podSubnet=kindnode.POD_SUBNET,
                           serviceSubnet=kindnode.SERVICE_SUBNET)  # fmt: skip
         patches.append("kind: ClusterConfiguration\ndns:\n  imageTag: "
                        f"{versions()['COREDNS_VERSION']}\n")  # fmt: skip
+    control_plane = {"role": "control-plane", "extraMounts": [
+        {"hostPath": str(patches_dir), "containerPath": PATCHES_IN_NODE, "readOnly": True}]}
     return {"kind": "Cluster", "apiVersion": "kind.x-k8s.io/v1alpha4", "networking": networking,
-            "nodes": [{"role": "control-plane"}, {"role": "worker"}],
+            "nodes": [control_plane, {"role": "worker"}],
             "kubeadmConfigPatches": patches}  # fmt: skip
 
 
@@ -115,13 +140,17 @@ def _node_image() -> tuple[str, bool]:
     if upstream := os.environ.get("KIND_NODE_IMAGE"):
         return upstream, False
     archive = kindnode.build()
-    kinddocker.load(archive, kindnode.node_ref())
+    kindload.load(archive, kindnode.node_ref())
     return kindnode.node_ref(), True
 
 
 def _create(node_image: str, ours: bool) -> None:
+    patches_dir = state_dir() / "kubeadm-patches"
+    patches_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in static_pod_patches().items():
+        (patches_dir / name).write_text(text)
     config = state_dir() / "kind-config.yaml"
-    config.write_text(yaml.safe_dump(cluster_config(ours), sort_keys=False))
+    config.write_text(yaml.safe_dump(cluster_config(ours, patches_dir), sort_keys=False))
     t0 = time.monotonic()
     try:
         kind("create", "cluster", f"--name={CLUSTER}", f"--image={node_image}",
@@ -158,6 +187,49 @@ def _nodes_ready(bed: Bed) -> bool:
     return len(items) == 2 and all(
         any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
         for n in items)  # fmt: skip
+
+
+def coredns_plugins() -> set[str]:
+    """The plugins in the bed's CoreDNS build (the ones nodecmd/coredns imports)."""
+    main = (binaries.NODECMD / "coredns" / "main.go").read_text()
+    return set(re.findall(r'"github\.com/coredns/coredns/plugin/(\w+)"', main))
+
+
+def corefile_for(corefile: str, plugins: set[str]) -> str:
+    """kubeadm's Corefile less each directive (and its block) the bed's CoreDNS has no plugin
+    for: CoreDNS refuses to start on an unknown one, and the bed's build holds only what the
+    real-node bed's Corefile uses (kubeadm's also names prometheus, loop, reload, ...)."""
+    out, depth, skip_to = [], 0, None
+    for line in corefile.splitlines():
+        delta = line.count("{") - line.count("}")
+        words = line.split()
+        if skip_to is None and depth == 1 and words and words[0] != "}" \
+                and words[0] not in plugins:  # fmt: skip
+            skip_to = depth
+        depth += delta
+        if skip_to is None:
+            out.append(line)
+        elif depth <= skip_to:
+            skip_to = None
+    return "\n".join(out) + "\n"
+
+
+def use_beds_coredns(bed: Bed) -> None:
+    """Fit kubeadm's CoreDNS config to the bed's CoreDNS build (our node image only)."""
+    cm = bed.json("-n", "kube-system", "get", "configmap", "coredns")
+    fitted = corefile_for(cm["data"]["Corefile"], coredns_plugins())
+    if fitted != cm["data"]["Corefile"]:
+        patch = json.dumps({"data": {"Corefile": fitted}})
+        bed.kubectl("-n", "kube-system", "patch", "configmap", "coredns", f"-p={patch}")
+        bed.kubectl("-n", "kube-system", "rollout", "restart", "deployment/coredns")
+
+
+def _coredns_logs(bed: Bed) -> str:
+    proc = bed.kubectl("-n", "kube-system", "logs", "-l", "k8s-app=kube-dns", "--tail=20",
+                       "--prefix", check=False)  # fmt: skip
+    pods = bed.kubectl("-n", "kube-system", "get", "pods", "-l", "k8s-app=kube-dns", "-o", "wide",
+                       check=False)  # fmt: skip
+    return f"{pods.stdout}{proc.stdout[-4000:]}{proc.stderr[-1000:]}"
 
 
 def advertise_gpus(bed: Bed, count: int = GPUS_PER_NODE) -> None:
@@ -226,13 +298,21 @@ def load_archives(archives: list[Path]) -> None:
         log(f"kind: loaded {archive.name} in {time.monotonic() - t0:.1f}s")
 
 
+def build() -> tuple[dict[str, Path], tuple[Path, str]]:
+    """Build (or reuse) everything `up` runs that needs no daemon: kind, kubeadm and etcd, the
+    node image, the test images and KubeRay's image; return the test images' and KubeRay's
+    archives (and KubeRay's ref)."""
+    kindbins.build()
+    binaries.build()
+    if not os.environ.get("KIND_NODE_IMAGE"):
+        kindnode.build()
+    return images.build(list(TEST_IMAGES)), kuberay_image()
+
+
 def up() -> Bed:
     """Bring the tier up (or find it up); return how to reach the cluster."""
     t0 = time.monotonic()
-    kindbins.build()
-    binaries.build()
-    archives = images.build(list(TEST_IMAGES))
-    ray_archive, ray_ref = kuberay_image()
+    archives, (ray_archive, ray_ref) = build()
     kinddocker.start()
     node_image, ours = _node_image()
     bed = Bed(kubeconfig_path(), binaries.bin_dir() / "kubectl", node_image)
@@ -244,12 +324,17 @@ def up() -> Bed:
         created = False
     _wait("both nodes Ready", lambda: _nodes_ready(bed), 300, _node_logs)
     # Both nodes take pods: the Ray head and its worker need one each. The CPU example's head
-    # asks for all 2 CPUs of a node, so CoreDNS asks for none (as on the real-node bed, where
-    # it is a host process): wherever its pods land, one node stays free for the head.
+    # asks for all 2 CPUs of a node, so CoreDNS, like the control plane, asks for none (as on
+    # the real-node bed, where they are host processes): either node can hold the head.
     bed.kubectl("taint", "nodes", "--all", "node-role.kubernetes.io/control-plane-", check=False)
     bed.kubectl("-n", "kube-system", "set", "resources", "deployment/coredns", "--requests=cpu=0")
-    bed.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=180s",
-                timeout=200)  # fmt: skip
+    if ours:
+        use_beds_coredns(bed)
+    try:
+        bed.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns",
+                    "--timeout=180s", timeout=200)  # fmt: skip
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}\n{_coredns_logs(bed)}") from e
     advertise_gpus(bed)
     if created:
         load_archives([ray_archive, *archives.values()])
@@ -279,10 +364,12 @@ def status() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("cmd", choices=("up", "down", "status"))
+    ap.add_argument("cmd", choices=("build", "up", "down", "status"))
     a = ap.parse_args(argv)
     try:
-        if a.cmd == "up":
+        if a.cmd == "build":
+            build()
+        elif a.cmd == "up":
             bed = up()
             print(f"export KUBECONFIG={bed.kubeconfig}")
         elif a.cmd == "down":

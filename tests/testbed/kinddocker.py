@@ -9,7 +9,9 @@ Everything it owns is its own, so it never meets a Docker the user runs, nor the
   API server port on 127.0.0.1) go through docker-proxy; the nodes reach each other on
   kind's network, a bridge made here with its own name and subnet (NETWORK, BRIDGE, SUBNET,
   off the real-node bed's 10.200-10.202 and the kwok bed's 10.244, 10.96 and 10.0.0.1);
-- its own containerd namespace and cgroup parent (/vllmdp-kind).
+- its own containerd namespace and cgroup parent (/vllmdp-kind);
+- its containers run by runc through kindruntime.py, which drops the capabilities this host's
+  root lacks. The node image is loaded by kindload.py.
 
 `stop` removes every container and the network, stops the daemon (and the containerd it
 started) and `leftovers` names whatever is still there: processes, mounts under the state dir,
@@ -20,21 +22,20 @@ The data root stays: it is a cache (the node image, loaded once).
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import tarfile
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hostreqs
-import oci
+import kindruntime
 from common import BuildError, cache_root, log
 
 NETWORK = "vllmdp-kind"
@@ -46,42 +47,6 @@ CONTAINERD_NS = "vllmdp-kind"
 # dockerd 20.10 writes its trust key here whatever its other paths (no flag moves it); `stop`
 # removes it when `start` found none.
 TRUST_KEY = Path("/etc/docker/key.json")
-# The runtime dockerd hands containers to: runc, after dropping from the container's (or an
-# exec'd process's) capability sets what this host's bounding set lacks. Docker 20.10 grants a
-# `--privileged` container every capability it knows, and kind's nodes are privileged; where
-# root itself lacks one (CAP_SYS_RESOURCE on some hosts), runc refuses the whole container
-# ("unable to apply caps"). containerd 1.6, in the nodes, already grants only what it has.
-RUNTIME = "vllmdp-runc"
-RUNTIME_WRAPPER = """#!/usr/bin/python3
-import json, os, sys
-CAPS = ("CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP "
-        "LINUX_IMMUTABLE NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER "
-        "SYS_MODULE SYS_RAWIO SYS_CHROOT SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE "
-        "SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE AUDIT_WRITE AUDIT_CONTROL SETFCAP "
-        "MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ PERFMON BPF "
-        "CHECKPOINT_RESTORE").split()
-bnd = int(next(l for l in open("/proc/self/status") if l.startswith("CapBnd:")).split()[1], 16)
-have = {"CAP_" + c for i, c in enumerate(CAPS) if bnd >> i & 1}
-def trim(path, key):
-    with open(path) as f:
-        doc = json.load(f)
-    caps = (doc.get(key, doc) if key else doc).get("capabilities")
-    if not caps:
-        return
-    for k, v in caps.items():
-        caps[k] = [c for c in v if c in have or c.removeprefix("CAP_") not in CAPS]
-    with open(path, "w") as f:
-        json.dump(doc, f)
-args = sys.argv[1:]
-for i, a in enumerate(args):
-    if a in ("--bundle", "-b") and i + 1 < len(args):
-        trim(os.path.join(args[i + 1], "config.json"), "process")
-    elif a.startswith("--bundle="):
-        trim(os.path.join(a.split("=", 1)[1], "config.json"), "process")
-    elif a in ("--process", "-p") and i + 1 < len(args):
-        trim(args[i + 1], None)
-os.execv("@RUNC@", ["runc", *args])
-"""
 OUR_CHAINS = re.compile(r"^:((DOCKER|KIND)\S*)")
 
 
@@ -187,9 +152,8 @@ def start(p: Paths | None = None, timeout: float = 60) -> Paths:
         d.mkdir(parents=True, exist_ok=True)
     config = p.root / "daemon.json"
     config.write_text("{}\n")  # never the host's /etc/docker/daemon.json
-    wrapper = p.root / RUNTIME
-    wrapper.write_text(RUNTIME_WRAPPER.replace("@RUNC@", hostreqs.command_path("runc")))
-    wrapper.chmod(0o755)
+    runtime = kindruntime.write_shim(p.root / kindruntime.NAME, hostreqs.command_path("runc"),
+                                     sys.executable)  # fmt: skip
     p.record.write_text(json.dumps({"chains_before": _chains(), "docker0": _has_link("docker0"),
                                     "run_containerd": Path("/run/containerd").exists(),
                                     "trust_key": TRUST_KEY.exists()}))
@@ -199,7 +163,7 @@ def start(p: Paths | None = None, timeout: float = 60) -> Paths:
             "--bridge=none", "--iptables=false", "--ip-masq=false", "--ip-forward=false",
             f"--cgroup-parent={CGROUP_PARENT}", f"--containerd-namespace={CONTAINERD_NS}",
             f"--containerd-plugins-namespace={CONTAINERD_NS}-plugins",
-            f"--add-runtime={RUNTIME}={wrapper}", f"--default-runtime={RUNTIME}",
+            f"--add-runtime={kindruntime.NAME}={runtime}", f"--default-runtime={kindruntime.NAME}",
             "--storage-driver=overlay2"]  # fmt: skip
     t0 = time.monotonic()
     with p.log.open("ab") as out:
@@ -229,60 +193,6 @@ def _ensure_network(p: Paths) -> None:
            f"--opt=com.docker.network.bridge.name={BRIDGE}",
            "--opt=com.docker.network.bridge.enable_ip_masquerade=false",
            "--opt=com.docker.network.driver.mtu=1500", NETWORK, p=p)  # fmt: skip
-
-
-def load(archive: Path, ref: str, p: Paths | None = None) -> None:
-    """`docker load` a docker-archive unless the daemon has that very image (by ID). Docker
-    20.10 reads no zstd layers: a compressed archive is loaded from a plain copy (the same
-    diff IDs, so the same image ID), made for the load and removed after it."""
-    p = p or paths()
-    want = "sha256:" + str(oci.read_manifest(archive)["Config"]).removesuffix(".json")
-    have = docker("image", "inspect", "--format={{.Id}}", ref, check=False, p=p).stdout.strip()
-    if have == want:
-        return
-    t0 = time.monotonic()
-    plain = p.root / "load" / archive.name
-    plain.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        _plain_archive(archive, plain)
-        docker("load", f"--input={plain}", p=p, timeout=1800)
-    finally:
-        shutil.rmtree(plain.parent, ignore_errors=True)
-    log(f"kind: loaded {ref} into dockerd in {time.monotonic() - t0:.1f}s")
-
-
-def _plain_archive(archive: Path, out: Path) -> None:
-    """A copy of a docker-archive with its zstd layers decompressed (`zstd -d`)."""
-    zstd = hostreqs.command_path("zstd")
-    work = out.parent / "layers"
-    work.mkdir(exist_ok=True)
-    with tarfile.open(archive) as src, tarfile.open(out, "w") as dst:
-        for member in src.getmembers():
-            data = src.extractfile(member)
-            if data is None:
-                continue
-            if member.name == "manifest.json":
-                manifest = json.load(data)
-                for entry in manifest:
-                    entry["Layers"] = [n.removesuffix(".zst") for n in entry["Layers"]]
-                body = json.dumps(manifest).encode()
-                info = tarfile.TarInfo("manifest.json")
-                info.size = len(body)
-                dst.addfile(info, io.BytesIO(body))
-            elif member.name.endswith(".zst"):
-                layer = work / "layer.tar"
-                with layer.open("wb") as fh:
-                    unzstd = subprocess.Popen([zstd, "-d", "-q", "-c"], stdin=subprocess.PIPE,
-                                              stdout=fh)  # fmt: skip
-                    assert unzstd.stdin is not None
-                    shutil.copyfileobj(data, unzstd.stdin, 1 << 20)
-                    unzstd.stdin.close()
-                    if unzstd.wait() != 0:
-                        raise BuildError(f"zstd -d failed on {member.name} of {archive}")
-                dst.add(layer, arcname=member.name.removesuffix(".zst"))
-                layer.unlink()
-            else:
-                dst.addfile(member, data)
 
 
 def stop(p: Paths | None = None, timeout: float = 60) -> list[str]:

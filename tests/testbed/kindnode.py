@@ -184,6 +184,21 @@ _KIND_FILES = (
     ("etc/systemd/system/kubelet.service.d/11-kind.conf", 0o644),
 )  # fmt: skip
 _KIND_SANDBOX = 'sandbox_image = "registry.k8s.io/pause:3.10"'
+# kind lets containerd hand each pod the OOM score kubelet asks for (-998 for the control
+# plane's static pods). Lowering a score takes CAP_SYS_RESOURCE, which root lacks on some hosts
+# (this one): runc's setup then dies before the pod's sandbox starts ("can't get final child's
+# PID from pipe"). Restricted, containerd clamps the score at its own.
+_KIND_OOM = "restrict_oom_score_adj = false"
+
+
+def containerd_config(kind_config: str) -> str:
+    """kind's containerd config with the real-node bed's pause image as the sandbox image and
+    OOM scores clamped at containerd's own (no CAP_SYS_RESOURCE needed)."""
+    for want in (_KIND_SANDBOX, _KIND_OOM):
+        if want not in kind_config:
+            raise imagefs.BuildError(f"kind's containerd config has no `{want}`")
+    return (kind_config.replace(_KIND_SANDBOX, f'sandbox_image = "{PAUSE_IMAGE}"')
+            .replace(_KIND_OOM, "restrict_oom_score_adj = true"))  # fmt: skip
 
 PRELOAD_UNIT = """[Unit]
 Description=Import the images this node image carries into containerd (vllm-dp-operator)
@@ -280,12 +295,9 @@ def node_layer() -> LayerDef:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(files / rel, dest)
             dest.chmod(mode)
-        config = (files / "etc/containerd/config.toml").read_text()
-        if _KIND_SANDBOX not in config:
-            raise imagefs.BuildError(f"kind's containerd config has no `{_KIND_SANDBOX}`")
+        config = containerd_config((files / "etc/containerd/config.toml").read_text())
         (upper / "etc/containerd").mkdir(parents=True, exist_ok=True)
-        (upper / "etc/containerd/config.toml").write_text(
-            config.replace(_KIND_SANDBOX, f'sandbox_image = "{PAUSE_IMAGE}"'))
+        (upper / "etc/containerd/config.toml").write_text(config)
         # kind's containerd unit runs the containerd kind builds; Debian's is in /usr/bin.
         (upper / "usr/local/bin/containerd").symlink_to("/usr/bin/containerd")
         cni = upper / "opt/cni/bin"
@@ -316,8 +328,8 @@ def node_layer() -> LayerDef:
                             what="kind node units")  # fmt: skip
         _merge(step, upper)
 
-    texts = (PAUSE_IMAGE, PRELOAD_UNIT, PRELOAD_SCRIPT, CNI_UNIT, KUBELET_DROPIN, CNI_SCRIPT,
-             _ENABLE, *(f"{r}:{m:o}" for r, m in _KIND_FILES))
+    texts = (PAUSE_IMAGE, _KIND_OOM, PRELOAD_UNIT, PRELOAD_SCRIPT, CNI_UNIT, KUBELET_DROPIN,
+             CNI_SCRIPT, _ENABLE, *(f"{r}:{m:o}" for r, m in _KIND_FILES))
     inputs = (v["KIND_VERSION"], v["KUBERNETES_VERSION"], kindbins.key(), binaries.version_key(),
               binaries.node_key(), images_base().key, *texts,
               json.dumps(image_refs(), sort_keys=True))  # fmt: skip
