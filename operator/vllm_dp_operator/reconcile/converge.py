@@ -316,7 +316,6 @@ async def reconcile(
     st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
     live = await _drop_jobs_without_pods(kube, ns, jobs, cluster_name, spec.suspend or held,
                                          step.keep)  # fmt: skip
-    live = [j for j in live if _label(j, c.LABEL_CLUSTER) == cluster_name]
     target = await _converge_cluster(kube, probes, ray_jobs, cfg, res, spec, plan, cluster,
                                       cluster_name, head_pod, held, queue, live, token_secret,
                                       st, route, shadow is not None)  # fmt: skip
