@@ -107,6 +107,26 @@ async def test_a_new_generation_that_never_serves_is_deleted_and_not_retried() -
     assert w.status["update"]["phase"] == "Starting" and len(cluster_names(w)) == 2
 
 
+async def test_a_held_old_generation_is_still_probed_and_unrouted_when_hung() -> None:
+    """After a failed Surge the hold lasts until the next spec change: the old head keeps its
+    /health probes, so a hung engine loses the route by the usual threshold, and regains it."""
+    w = await serving(surge())
+    [old] = cluster_names(w)
+    w.update(surge(model="Qwen/Qwen2.5-0.5B"))
+    await w.step()
+    w.probe.down.add(f"{w.status['update']['to']}-head-svc")
+    await w.step(301)
+    assert w.status["failedUpdate"] and routed_to(w) == old
+    w.probe.ok = False
+    for _ in range(w.cfg.unroute_after_failures + 1):
+        await w.step(w.cfg.unroute_after_seconds)
+    assert routed_to(w) is None
+    w.probe.ok = True
+    await w.step(1)
+    assert routed_to(w) == old and w.status["phase"] == c.PHASE_SERVING
+    assert w.probe.calls[-1].startswith(f"{old}-head-svc:")
+
+
 async def test_changes_without_new_engines_restart_nothing_under_either_strategy() -> None:
     for raw in (spec(), surge()):
         w = await serving(raw)

@@ -280,7 +280,7 @@ async def reconcile(
     await _ensure_network_policy(kube, res, spec, cfg, owner)
     await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
     if step.mode is Mode.HOLD:
-        await surge.hold(kube, res, spec, owner, step.cluster, jobs, st)
+        await surge.hold(kube, res, spec, owner, step.cluster, clusters, jobs, probes, cfg, st)
         return st.outcome()
     token_secret = None
     if spec.ray.auth == RayAuth.TOKEN:

@@ -193,14 +193,41 @@ async def router_of(
     return Router(kube, res.name, res.namespace, res.uid, spec, head_pod_of(pods), owner)
 
 
+def _api_port(cluster: Obj | None, default: int) -> int:
+    """The API port of a cluster's head container as rendered (`http`), which a later spec
+    may have changed: the serving generation is probed where it listens."""
+    head = ((cluster or {}).get("spec") or {}).get("headGroupSpec") or {}
+    for container in ((head.get("template") or {}).get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http":
+                return int(port["containerPort"])
+    return default
+
+
 async def hold(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, owner: Obj, cluster: str,
-    jobs: list[Obj], st: StatusDoc,
+    clusters: list[Obj], jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
 ) -> None:  # fmt: skip
-    """The serving generation serves on, untouched; nothing new starts (update.Mode.HOLD)."""
+    """The serving generation serves on, untouched; nothing new starts (update.Mode.HOLD).
+
+    A hold lasts until the next spec change, so the old head stays probed: a hung engine
+    loses its route by the usual threshold (failures in a row over a minimum time)."""
     served = res.status.get("servedJob")
-    routed = await keep_serving(await router_of(kube, res, spec, owner, cluster), jobs, served,
-                                cluster)  # fmt: skip
+    router = await router_of(kube, res, spec, owner, cluster)
+    live = [j for j in _live(jobs) if j["metadata"]["name"] == served
+            and _labels(j).get(c.LABEL_CLUSTER) == cluster]  # fmt: skip
+    decision = while_not_ready(live)
+    if decision is None and served and cfg.health_probe != PROBES_OFF:
+        obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
+        health = probes.health(Target(res.namespace, res.name, names.head_service(cluster),
+                                      _api_port(obj, spec.service.port), served))  # fmt: skip
+        since = health.failing_since or st.now
+        if health.ok:
+            decision = True
+        elif (health.failures >= cfg.unroute_after_failures
+                and (st.now - since).total_seconds() >= cfg.unroute_after_seconds):
+            decision = False  # fmt: skip
+    routed = await router.route(decision)
     record = st.doc.get("update")
     why = (f"the spec's change waits until {record['from']} has drained" if record
            else f"the update to job hash {st.doc.get('failedUpdate')} did not serve by its "
