@@ -39,6 +39,12 @@ def operator(testbed: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     yield from run_operator(testbed, tmp_path_factory)
 
 
+@pytest.fixture
+def ns(testbed_namespace: str) -> str:
+    """A fresh namespace per test (conftest's testbed_namespace), under a short name."""
+    return testbed_namespace
+
+
 def engine(pod_ip: str, method: str, path: str, body: Any = None) -> Any:
     """Call the vLLM double at a pod IP (routed into the pod network from here)."""
     data = json.dumps(body).encode() if body is not None else None
