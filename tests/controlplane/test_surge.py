@@ -97,9 +97,10 @@ def test_surge_switches_once_the_new_generation_serves_then_drains_the_old(
         assert st["phase"] == "Serving"
         testbed.wait_until("both RayClusters", lambda: live_clusters(testbed, ns) ==
                            sorted([old, new]), timeout=30)  # fmt: skip
-        testbed.wait_until("the new head pod", lambda: items(
-            testbed, ns, "pods", f"ray.io/cluster={new},ray.io/node-type=head"), timeout=90)
-        new_ip = head_pod(testbed, ns, new)["status"]["podIP"]
+        new_ip = testbed.wait_until("the new head pod's IP", lambda: next(
+            (p["status"].get("podIP") for p in items(
+                testbed, ns, "pods", f"ray.io/cluster={new},ray.io/node-type=head")
+             if not p["metadata"].get("deletionTimestamp")), None), timeout=90)
         testbed.wait_until("the new head job", lambda: any(
             j["metadata"]["labels"].get("vllmdp.io/cluster") == new
             for j in items(testbed, ns, "rayjobs")), timeout=90)  # fmt: skip
