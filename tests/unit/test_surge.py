@@ -127,6 +127,35 @@ async def test_a_held_old_generation_is_still_probed_and_unrouted_when_hung() ->
     assert w.probe.calls[-1].startswith(f"{old}-head-svc:")
 
 
+async def test_a_queued_resource_queues_its_second_generation_in_the_same_queue() -> None:
+    """Through Kueue the second RayCluster carries the same queue labels and is made suspended
+    (Kueue admits it); while it waits the old one serves, and the operator writes neither's
+    suspend."""
+    raw = surge(scheduling={"queueName": "gpu"})
+    w = World(raw)
+    await w.step()
+    for cluster in w.clusters():
+        cluster["spec"]["suspend"] = False  # Kueue admits the first
+    w.cluster_ready()
+    await w.step()
+    w.run("demo-j00001")
+    w.probe.ok = True
+    await w.step()
+    [old] = cluster_names(w)
+    assert w.status["phase"] == c.PHASE_SERVING and routed_to(w) == old
+    w.update({**raw, "engineArgs": ["--max-model-len", "4096"]})
+    await w.step()
+    new = w.status["update"]["to"]
+    [second] = [cl for cl in w.clusters() if cl["metadata"]["name"] == new]
+    assert second["metadata"]["labels"][c.LABEL_KUEUE_QUEUE] == "gpu"
+    assert second["spec"]["suspend"] is True
+    await w.step(5)
+    assert w.status["phase"] == c.PHASE_SERVING and routed_to(w) == old
+    assert "Queued" in w.status["message"] or "queue" in w.status["message"].lower()
+    patches = [x for x in w.kube.writes if x[0] == "patch" and x[1] == "rayclusters"]
+    assert patches == []
+
+
 async def test_changes_without_new_engines_restart_nothing_under_either_strategy() -> None:
     for raw in (spec(), surge()):
         w = await serving(raw)
