@@ -151,7 +151,7 @@ async def test_a_queued_resource_queues_its_second_generation_in_the_same_queue(
     assert second["spec"]["suspend"] is True
     await w.step(5)
     assert w.status["phase"] == c.PHASE_SERVING and routed_to(w) == old
-    assert "Queued" in w.status["message"] or "queue" in w.status["message"].lower()
+    assert f"updating to {new}: Queued in LocalQueue gpu" in w.status["message"]
     patches = [x for x in w.kube.writes if x[0] == "patch" and x[1] == "rayclusters"]
     assert patches == []
 

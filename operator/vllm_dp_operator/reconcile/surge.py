@@ -241,7 +241,7 @@ async def after_candidate(
 ) -> None:  # fmt: skip
     """Switch to the new generation once it serves; else say that the old one still does."""
     if not shadow.asked:
-        overlay_starting(st, record, served, "its /health has not answered yet")
+        overlay_starting(st, record, served, "not serving yet")
         return
     if cfg.health_probe == PROBES_OFF:
         ok, why = True, "healthProbe.mode off: the launcher's report alone (no completion sent)"
