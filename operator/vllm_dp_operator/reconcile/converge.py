@@ -266,7 +266,7 @@ async def reconcile(
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
     step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st)
-    clusters = await surge.apply_step(kube, ns, step, clusters, jobs, st)
+    clusters, jobs = await surge.apply_step(kube, ns, step, clusters, jobs, st)
     cluster_name = step.cluster
     if cluster_name != desired["metadata"]["name"]:
         # The same shape under another name: the serving cluster, or a Surge's second one.

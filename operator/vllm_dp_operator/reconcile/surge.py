@@ -170,9 +170,9 @@ def decide_step(
 
 async def apply_step(
     kube: Kube, ns: str, step: Decision, clusters: list[Obj], jobs: list[Obj], st: StatusDoc
-) -> list[Obj]:
+) -> tuple[list[Obj], list[Obj]]:
     """Delete what the step gives up (a failed or superseded new generation, a drained old
-    one) with its head jobs; return the clusters left."""
+    one) with its head jobs; return the clusters and head jobs left."""
     gone = {name for name, _ in step.delete}
     for name, why in step.delete:
         if any(cl["metadata"]["name"] == name for cl in _live(clusters)):
@@ -182,7 +182,8 @@ async def apply_step(
         for job in _live(jobs):
             if _labels(job).get(c.LABEL_CLUSTER) == name:
                 await kube.delete(RAYJOB, ns, job["metadata"]["name"])
-    return [cl for cl in clusters if cl["metadata"]["name"] not in gone]
+    return ([cl for cl in clusters if cl["metadata"]["name"] not in gone],
+            [j for j in jobs if _labels(j).get(c.LABEL_CLUSTER) not in gone])
 
 
 async def router_of(
