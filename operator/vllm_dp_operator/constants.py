@@ -63,6 +63,7 @@ DNS1035_PATTERN: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # Launch and stop timing defaults (spec.launch).
 DEFAULT_LAUNCH_TIMEOUT_SECONDS: Final = 3600
 DEFAULT_DRAIN_SECONDS: Final = 30
+DEFAULT_UPDATE_DRAIN_SECONDS: Final = 30
 # Extra CPU and memory the head pod gets per vLLM API server process it runs.
 HEAD_CPU_PER_API_SERVER: Final = 1
 HEAD_MEMORY_PER_API_SERVER_MI: Final = 2048
@@ -133,6 +134,8 @@ COND_SPEC_VALID: Final = "SpecValid"
 COND_CLUSTER_READY: Final = "ClusterReady"
 COND_HEAD_JOB_RUNNING: Final = "HeadJobRunning"
 COND_READY: Final = "Ready"
+#: Whether the engines run what the spec asks for (a Surge update's progress and failure).
+COND_UPDATED: Final = "Updated"
 # While Serving: whether every planned DP rank reports in vLLM's /metrics.
 COND_ENGINES_REPORTING: Final = "EnginesReporting"
 # Whether the operator can list and watch every child kind (False only while one is not
@@ -163,6 +166,13 @@ REASON_JOB_STOP_UNCONFIRMED: Final = "HeadJobStopUnconfirmed"
 REASON_JOB_RELAUNCH: Final = "HeadJobRelaunched"
 REASON_JOB_BACKOFF: Final = "HeadJobBackoff"
 REASON_HEALTHY: Final = "EngineHealthy"
+REASON_UPDATED: Final = "Updated"
+REASON_UPDATE_STARTED: Final = "UpdateStarted"
+REASON_UPDATE_SWITCHED: Final = "UpdateSwitched"
+REASON_UPDATE_DONE: Final = "UpdateDone"
+REASON_UPDATE_IN_PROGRESS: Final = "UpdateInProgress"
+REASON_UPDATE_FAILED: Final = "UpdateFailed"
+REASON_UPDATE_WITHDRAWN: Final = "UpdateWithdrawn"
 REASON_NOT_HEALTHY: Final = "EngineNotHealthy"
 #: Served, still routed, but the operator's own probes fail (below the unroute threshold).
 REASON_PROBE_FAILING: Final = "ProbeFailing"

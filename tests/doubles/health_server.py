@@ -9,6 +9,9 @@ for every simulated pod IP on --port. Standard library only. Never shipped in an
 import argparse
 import http.server
 import json
+import threading
+import time
+from typing import ClassVar
 
 MODEL = 'model_name="double"'
 
@@ -37,13 +40,58 @@ def exposition(ranks: int) -> str:
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """/health: 200 and empty, like vLLM once its engines are up; /v1/models: one model;
-    /metrics: the per-engine series of --ranks ranks (404 without)."""
+    /metrics: the per-engine series of --ranks ranks (404 without); POST /v1/completions and
+    /v1/chat/completions: one token.
+
+    For tests: POST /_double/only {"addresses": [...]} has only those pod IPs answer (the
+    others' /health and completions 503, an engine still loading; null: all answer again), and
+    GET /_double/log lists every completion asked, with the pod IP it reached and its time."""
 
     ranks = 0
+    only: ClassVar[set[str] | None] = None
+    asked: ClassVar[list[dict[str, object]]] = []
+    lock = threading.Lock()
+
+    def _address(self) -> str:
+        return str(self.connection.getsockname()[0])
+
+    def _serves(self) -> bool:
+        return self.only is None or self._address() in self.only
+
+    def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        size = int(self.headers.get("Content-Length") or 0)
+        request = json.loads(self.rfile.read(size) or b"null")
+        if self.path == "/_double/only":
+            addresses = (request or {}).get("addresses")
+            Handler.only = None if addresses is None else set(addresses)
+            self._send(200, b"{}")
+        elif self.path in ("/v1/completions", "/v1/chat/completions"):
+            with self.lock:
+                Handler.asked.append({"path": self.path, "address": self._address(),
+                                      "time": time.time(), "request": request})
+            if not self._serves():
+                self._send(503, b"")
+                return
+            self._send(200, json.dumps({"object": "text_completion", "model": "double",
+                                        "choices": [{"index": 0, "text": "."}]}).encode())
+        else:
+            self.send_error(404)
 
     def do_GET(self) -> None:
         if self.path == "/health":
+            if not self._serves():
+                self._send(503, b"")
+                return
             body = b""
+        elif self.path == "/_double/log":
+            with self.lock:
+                body = json.dumps(self.asked).encode()
         elif self.path == "/metrics" and self.ranks:
             body = exposition(self.ranks).encode()
         elif self.path == "/v1/models":

@@ -251,8 +251,8 @@ def test_names_and_scope(crd: dict[str, Any]) -> None:
 def test_printer_columns(crd: dict[str, Any], schema: dict[str, Any]) -> None:
     [version] = crd["spec"]["versions"]
     columns = version["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["DP", "TP", "Pods", "Phase", "Load", "Endpoint",
-                                          "Age"]  # fmt: skip
+    assert [c["name"] for c in columns] == ["DP", "TP", "Pods", "Phase", "Update", "Load",
+                                          "Endpoint", "Age"]  # fmt: skip
     for column in columns:
         path = column["jsonPath"]
         if path == ".metadata.creationTimestamp":

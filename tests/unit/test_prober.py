@@ -22,6 +22,8 @@ class EngineDouble:
         self.hung: set[str] = set()
         self.loads: dict[str, dict[int, EngineLoad]] = {}
         self.asked: list[str] = []
+        self.completes: dict[str, bool] = {}
+        self.completions: list[tuple[str, str, bool]] = []
         self.in_flight = 0
         self._release = asyncio.Event()
 
@@ -37,6 +39,13 @@ class EngineDouble:
 
     async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
         return EngineReading(self.loads.get(service, {}), f"{service} /metrics")
+
+    async def complete(
+        self, namespace: str, service: str, port: int, model: str, keyed: bool
+    ) -> ProbeResult:
+        self.completions.append((service, model, keyed))
+        ok = self.completes.get(service, False)
+        return ProbeResult(ok, f"POST {service}/v1/completions {model}")
 
 
 def target(name: str, job: str = "j1") -> Target:
@@ -159,3 +168,36 @@ async def test_a_new_head_job_starts_unprobed_and_a_nudge_probes_at_once() -> No
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
+
+
+async def test_a_candidate_is_asked_one_completion_after_health_and_until_it_answers() -> None:
+    """A Surge's new head: a completion only once /health answers, again while it fails,
+    never again once it answered; its answer is news that wakes the resource."""
+    engines, woken = EngineDouble(), []
+    svc = "a-head-svc"
+    p = pool(engines, woken)
+    candidate = Target("ns", "a", svc, 8000, "j2", "llama", True)
+    task = p.start()[0]
+    try:
+        assert p.completion(candidate) is None
+        await until(lambda: engines.asked.count(svc) >= 3)
+        assert engines.completions == []  # /health not answering: no completion asked
+        engines.ok[svc] = True
+        await until(lambda: len(engines.completions) >= 2)
+        answer = p.completion(candidate)
+        assert answer is not None and not answer.ok
+        engines.completes[svc] = True
+        await until(lambda: (p.completion(candidate) or answer).ok)
+        asked = len(engines.completions)
+        woke = len(woken)
+        await until(lambda: engines.asked.count(svc) >= 10)
+        assert len(engines.completions) == asked  # answered: never asked again
+        assert engines.completions[-1] == (svc, "llama", True)
+        assert woke >= 2  # the first health answer, then the completion's
+        plain = target("b")
+        engines.ok["b-head-svc"] = True
+        await until(lambda: p.health(plain).ok and engines.asked.count("b-head-svc") >= 3)
+        assert all(s != "b-head-svc" for s, _, _ in engines.completions)  # not a candidate
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -80,6 +80,8 @@ VALID: list[Any] = [
     pytest.param({"service": {"port": 10000}}, id="port-below-ray-ranges"),
     pytest.param({"service": {"port": 20000}}, id="port-above-ray-worker-range"),
     pytest.param({"launch": {"timeoutSeconds": 600, "drainSeconds": 0}}, id="launch-deadlines"),
+    pytest.param({"update": {"strategy": "Surge", "drainSeconds": 0}}, id="surge-no-drain"),
+    pytest.param({"update": {"strategy": "Recreate", "drainSeconds": 3600}}, id="recreate"),
     pytest.param(
         args(
             "--max-model-len",
@@ -291,6 +293,10 @@ INVALID: list[Any] = [
         "greater than or equal to 5",
         id="launch-timeout-too-short",
     ),
+    pytest.param({"update": {"drainSeconds": 3601}}, "spec.update.drainSeconds",
+                 "less than or equal to 3600", id="update-drain-too-long"),
+    pytest.param({"update": {"strategy": "BlueGreen"}}, "spec.update.strategy",
+                 "'Recreate' or 'Surge'", id="update-strategy-unknown"),
     *OWNED_CASES,
     *ABBREVIATION_CASES,
     *RESERVED_CASES,

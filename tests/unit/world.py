@@ -43,9 +43,16 @@ class FakeProbe:
         self.followed: list[str] = []
         self._clock = clock
         self._last = NOT_PROBED
+        #: Head Services whose /health fails whatever `ok` says (a new generation that hangs).
+        self.down: set[str] = set()
+        #: What a one-token completion answers (a Surge's new generation is asked one).
+        self.completes = True
+        self.completion_calls: list[str] = []
 
     def health(self, target: Target) -> ProbeResult:
         self.calls.append(f"{target.service}:{target.port}")
+        if target.service in self.down:
+            return ProbeResult(False, f"probe {target.service}:{target.port} ok=False", 1, None)
         if self.ok:
             self._last = ProbeResult(True, f"probe {target.service}:{target.port} ok=True")
         else:
@@ -62,6 +69,12 @@ class FakeProbe:
             return EngineReading(None, f"GET {target.service}:{target.port}/metrics: HTTP 500")
         return EngineReading(parse_engine_loads(self.metrics),
                              f"GET {target.service}:{target.port}/metrics")  # fmt: skip
+
+    def completion(self, target: Target) -> ProbeResult | None:
+        if target.complete_model is None or target.service in self.down:
+            return None
+        self.completion_calls.append(f"{target.service}:{target.complete_model}")
+        return ProbeResult(self.completes, f"POST {target.service}/v1/completions")
 
     def nudge(self, key: tuple[str, str]) -> None:
         self.nudged.append(key)

@@ -16,6 +16,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "TP", "type": "integer", "jsonPath": ".spec.tensorParallelSize"},
     {"name": "Pods", "type": "integer", "jsonPath": ".status.layout.gpuPods"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Update", "type": "string", "jsonPath": ".status.update.phase"},
     {"name": "Load", "type": "string", "jsonPath": ".status.load.level"},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -180,6 +180,37 @@ class LaunchSpec(ApiModel):
     )
 
 
+class UpdateStrategy(StrEnum):
+    """How a change that needs new engines reaches them."""
+
+    RECREATE = "Recreate"
+    SURGE = "Surge"
+
+
+class UpdateSpec(ApiModel):
+    """How a change that needs new engines (model, engine args, literal env, cluster shape)
+    replaces the running ones. Changes that need none (labels, the Service) restart nothing."""
+
+    strategy: UpdateStrategy = Field(
+        default=UpdateStrategy.RECREATE,
+        description="Recreate: stop the running engines, then start new ones on the same pods "
+        "(or on a new RayCluster for a shape change); serving pauses meanwhile, and no extra "
+        "GPUs are needed. Surge: start a second RayCluster and head job beside the serving one "
+        "and switch the API Service to it only once it answers /health and one completion; "
+        "the old one then drains and is deleted. Surge holds a second cluster's GPUs for the "
+        "duration, and on a full cluster the new one never schedules (its deadline then ends "
+        "the attempt and the old one keeps serving).",
+    )
+    drain_seconds: JsonInt = Field(
+        default=constants.DEFAULT_UPDATE_DRAIN_SECONDS,
+        ge=0,
+        le=3600,
+        description="Surge: seconds the old generation keeps running, no longer routed, after "
+        "the API Service switched to the new one, so its in-flight requests finish; then its "
+        "RayCluster is deleted.",
+    )
+
+
 class ServiceType(StrEnum):
     """Kubernetes Service types the API service may use."""
 
@@ -453,6 +484,12 @@ class VLLMDataParallelSpec(ApiModel):
     launch: LaunchSpec = Field(
         default_factory=LaunchSpec, description="Launch deadline and stop drain of head jobs."
     )
+    update: UpdateSpec = Field(
+        default_factory=UpdateSpec,
+        description="How engine and shape changes are rolled out: Recreate (the default) or "
+        "Surge (zero downtime, twice the GPUs while it lasts). A Surge's new generation must "
+        "serve within spec.launch.timeoutSeconds of the change.",
+    )
     ray: RaySpec = Field(default_factory=RaySpec, description="The Ray cluster's settings.")
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec,
@@ -521,6 +558,27 @@ class LoadSummary(ApiModel):
     since: str = Field(description="When the level last changed (RFC 3339).")
 
 
+class UpdateStatus(ApiModel):
+    """A Surge update in progress (reconcile/update.py)."""
+
+    phase: Literal["Starting", "Draining"] = Field(
+        description="Starting: the new generation is coming up, the old one serves. Draining: "
+        "the API Service routes to the new one, the old one finishes its requests."
+    )
+    from_: str = Field(alias="from", description="RayCluster of the generation being replaced.")
+    to: str = Field(description="RayCluster of the new generation.")
+    target: str = Field(description="Job hash of what the new generation runs (its identity).")
+    started_at: str = Field(description="When this update started (RFC 3339).")
+    deadline: str | None = Field(
+        default=None,
+        description="Starting: when the new generation is deleted if it does not serve by "
+        "then (startedAt + spec.launch.timeoutSeconds; RFC 3339).",
+    )
+    draining_since: str | None = Field(
+        default=None, description="Draining: when the API Service switched (RFC 3339)."
+    )
+
+
 class VLLMDataParallelStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -566,6 +624,14 @@ class VLLMDataParallelStatus(ApiModel):
     )
     probe_failing_since: str | None = Field(
         default=None, description="When the first of those failed probes was seen (RFC 3339)."
+    )
+    update: UpdateStatus | None = Field(
+        default=None, description="A Surge update in progress; absent otherwise."
+    )
+    failed_update: str | None = Field(
+        default=None,
+        description="Job hash of the last Surge target that did not serve by its deadline: it "
+        "is not tried again until the spec asks for something else.",
     )
     load: LoadSummary | None = Field(
         default=None,

@@ -70,13 +70,15 @@ class HeadJobs:
     def __init__(
         self, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, res: Resource,
         spec: VLLMDataParallelSpec, plan: Plan, cluster: str, head_pod: dict[str, Any] | None,
-        st: StatusDoc, route: Callable[[bool], Awaitable[bool]],
+        st: StatusDoc, route: Callable[[bool], Awaitable[bool]], complete: bool = False,
     ) -> None:  # fmt: skip
         self.kube, self.probes, self.ray_jobs, self.cfg = kube, probes, ray_jobs, cfg
         self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
         self.head_pod, self.st, self.ns = head_pod, st, res.namespace
         #: Writes the routing decision to the API Service's EndpointSlice (reconcile/routing.py).
         self.route = route
+        #: Ask one completion once /health answers: a Surge's new generation proves it serves.
+        self.complete = complete
         self.health: ProbeResult = NOT_PROBED
         self.target: Target | None = None
         # The cluster's Ray token, derived again rather than read from its Secret.
@@ -112,8 +114,10 @@ class HeadJobs:
         if job_state(job) in (JobState.FAILED, JobState.ENDED):
             return self._record_failure(name, failure_reason(job), c.REASON_JOB_FAILED)
         # The pool's latest answer: a reconcile never waits on an engine (engines/prober.py).
+        model = (self.spec.served_model_name or self.spec.model) if self.complete else None
         self.target = Target(self.ns, self.res.name, names.head_service(self.cluster),
-                             self.spec.service.port, name)  # fmt: skip
+                             self.spec.service.port, name, model,
+                             self.spec.api_key_secret_ref is not None)  # fmt: skip
         served = doc.get("servedJob") == name
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).

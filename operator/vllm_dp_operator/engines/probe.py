@@ -16,6 +16,8 @@ from vllm_dp_operator.engines.transport import ServiceTransport
 
 #: Default cap on the bytes of /metrics read per probe (VLLMDP_ENGINE_METRICS_MAX_BYTES).
 METRICS_MAX_BYTES = 4 * 1024 * 1024
+#: A one-token completion's answer is small; more is not read.
+COMPLETION_MAX_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,12 @@ class HealthProbe(Protocol):
         """Read the per-rank gauges from /metrics once, within the timeout and size cap."""
         ...
 
+    async def complete(
+        self, namespace: str, service: str, port: int, model: str, keyed: bool
+    ) -> ProbeResult:
+        """Ask for one completion of one token (POST /v1/completions), within the timeout."""
+        ...
+
 
 class TransportProbe:
     """GET /health and /metrics over a Service transport (cluster DNS or the API server's
@@ -62,6 +70,20 @@ class TransportProbe:
         """Probe once, within the transport's timeout."""
         answer = await self._transport.request("GET", namespace, service, port, "/health")
         return ProbeResult(answer.status == 200, answer.detail)
+
+    async def complete(
+        self, namespace: str, service: str, port: int, model: str, keyed: bool
+    ) -> ProbeResult:
+        """One completion of one token: proof that an engine generates, not only that the API
+        server is up. Sent without a key: the operator holds none (its RBAC reads no Secret),
+        so where the engines want a key (`keyed`: spec.apiKeySecretRef) vLLM's 401 is taken as
+        its API server's answer."""
+        answer = await self._transport.request(
+            "POST", namespace, service, port, "/v1/completions", limit=COMPLETION_MAX_BYTES,
+            json_body={"model": model, "prompt": "ping", "max_tokens": 1},
+        )  # fmt: skip
+        ok = answer.ok or (keyed and answer.status == 401)
+        return ProbeResult(ok, answer.detail, 0 if ok else 1)
 
     async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
         """Read the per-rank gauges, at most max_bytes of the exposition."""

@@ -44,6 +44,10 @@ class Target:
     service: str
     port: int
     job: str
+    #: The model to ask one completion of once /health answers (a Surge's new generation),
+    #: and whether the engines want an API key; None: no completion is asked.
+    complete_model: str | None = None
+    complete_keyed: bool = False
 
     @property
     def key(self) -> Key:
@@ -62,6 +66,10 @@ class EngineProbes(Protocol):
         """The latest /metrics reading of this head job, None before the first one."""
         ...
 
+    def completion(self, target: Target) -> ProbeResult | None:
+        """The latest one-token completion's answer for this head job, None before any."""
+        ...
+
     def nudge(self, key: Key) -> None:
         """Probe the resource's head now rather than at its next turn."""
         ...
@@ -77,6 +85,7 @@ class _Entry:
     target: Target
     health: ProbeResult = NOT_PROBED
     reading: EngineReading | None = None
+    completion: ProbeResult | None = None
     #: Whether /health ever answered 200 for this head job: the slower cadence from then on.
     served: bool = False
     due: float = 0.0
@@ -91,8 +100,9 @@ def _signature(entry: _Entry) -> tuple[Any, ...]:
     """What a reconcile decides on: a change here wakes it, anything else does not."""
     health, reading = entry.health, entry.reading
     loads = reading.loads if reading is not None else None
+    done = None if entry.completion is None else entry.completion.ok
     return (health is NOT_PROBED, health.ok, health.failures,
-            None if loads is None else (len(loads), level_of(loads)))  # fmt: skip
+            None if loads is None else (len(loads), level_of(loads)), done)  # fmt: skip
 
 
 class ProbePool:
@@ -123,6 +133,10 @@ class ProbePool:
     def health(self, target: Target) -> ProbeResult:
         """The latest /health answer; a new head job is registered and probed at once."""
         return self._entry(target).health
+
+    def completion(self, target: Target) -> ProbeResult | None:
+        """The latest completion's answer for the target (None before one was asked)."""
+        return self._entry(target).completion
 
     def reading(self, target: Target) -> EngineReading | None:
         """The latest /metrics reading of this head job."""
@@ -211,19 +225,24 @@ class ProbePool:
         t = entry.target
         try:
             answer = await self._probe.check(t.namespace, t.service, t.port)
-            reading = None
+            reading, completion = None, entry.completion
             if answer.ok:
                 reading = await self._probe.engines(t.namespace, t.service, t.port)
+                if t.complete_model is not None and not (completion and completion.ok):
+                    completion = await self._probe.complete(
+                        t.namespace, t.service, t.port, t.complete_model, t.complete_keyed)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a probe never kills the pool: count it as failed
             log.exception("Probe of %s/%s failed", t.namespace, t.service)
             answer, reading = ProbeResult(False, f"probe error: {exc!r}"), None
+            completion = entry.completion
         finally:
             entry.busy = False
             self._slots.release()
         if self._entries.get(key) is not entry:
             return  # released, or a newer head job took its place, while it was asked
+        entry.completion = completion
         self._record(key, entry, answer, reading)
 
     def _record(

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import aiohttp.abc
@@ -51,10 +51,11 @@ class ServiceTransport(Protocol):
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
         limit: int | None = None, headers: Mapping[str, str] | None = None,
+        json_body: Mapping[str, Any] | None = None,
     ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout, with extra
-        `headers` (never logged: they may carry a token); read at most `limit` bytes of the
-        body when given."""
+        `headers` (never logged: they may carry a token) and a JSON `json_body`; read at most
+        `limit` bytes of the answer's body when given."""
         ...
 
     async def close(self) -> None:
@@ -80,6 +81,7 @@ class ServiceDnsTransport:
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
         limit: int | None = None, headers: Mapping[str, str] | None = None,
+        json_body: Mapping[str, Any] | None = None,
     ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"http://{names.service_fqdn(service, namespace, self._domain)}:{port}{path}"
@@ -89,7 +91,7 @@ class ServiceDnsTransport:
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector,
                                                   trace_configs=[fence_trace()])  # fmt: skip
         try:
-            async with self._session.request(method, url, headers=headers) as resp:
+            async with self._session.request(method, url, headers=headers, json=json_body) as resp:
                 body, cut = await _read(resp, limit)
                 return Answer(resp.status, body, f"{method} {url}: HTTP {resp.status}", cut)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -169,6 +171,7 @@ class ApiServerProxyTransport:
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
         limit: int | None = None, headers: Mapping[str, str] | None = None,
+        json_body: Mapping[str, Any] | None = None,
     ) -> Answer:  # fmt: skip
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy{path}"
@@ -179,7 +182,9 @@ class ApiServerProxyTransport:
                 url, method,
                 # The API server consumes `Authorization` (the operator's own credential) and
                 # passes other headers on to the pod.
-                header_params={"Accept": "*/*", **(headers or {})},
+                header_params={"Accept": "*/*", **(headers or {}),
+                               **({"Content-Type": "application/json"} if json_body else {})},
+                body=dict(json_body) if json_body is not None else None,
                 auth_settings=["BearerToken"],
                 _preload_content=False,
                 _request_timeout=self._timeout,
@@ -207,6 +212,7 @@ class DisabledTransport:
     async def request(
         self, method: str, namespace: str, service: str, port: int, path: str,
         limit: int | None = None, headers: Mapping[str, str] | None = None,
+        json_body: Mapping[str, Any] | None = None,
     ) -> Answer:  # fmt: skip
         """Never reaches the pod, saying why."""
         return Answer(None, "", "pod HTTP access disabled (VLLMDP_HEALTH_PROBE=off)")

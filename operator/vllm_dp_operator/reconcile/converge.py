@@ -8,6 +8,7 @@ garbage collector) is not adopted, not counted, and never changed or deleted her
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
@@ -29,9 +30,10 @@ from vllm_dp_operator.controller.kube import (
     Kube,
 )
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
-from vllm_dp_operator.engines.prober import EngineProbes
+from vllm_dp_operator.engines.prober import EngineProbes, Target
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
+from vllm_dp_operator.reconcile import surge
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
 from vllm_dp_operator.reconcile.queueing import QueueState, queue_state
 from vllm_dp_operator.reconcile.routing import Router, while_not_ready
@@ -42,6 +44,7 @@ from vllm_dp_operator.reconcile.status import (
     explain_refused,
     waits_for_secret,
 )
+from vllm_dp_operator.reconcile.update import Mode
 from vllm_dp_operator.render import build_raycluster, build_service
 from vllm_dp_operator.render.meta import owner_reference
 from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
@@ -135,7 +138,7 @@ async def _ensure_network_policy(
 
 async def _ensure_cluster(
     kube: Kube, desired: dict[str, Any], observed: list[dict[str, Any]], st: StatusDoc,
-    queued: bool, suspend: bool,
+    queued: bool, suspend: bool, keep: frozenset[str] = frozenset(),
 ) -> dict[str, Any] | None:
     """Delete clusters of another shape, create the desired one; return it if it exists.
 
@@ -148,8 +151,8 @@ async def _ensure_cluster(
         if cluster["metadata"]["name"] == name and not (queued and suspend):
             current = cluster
             continue
-        if cluster["metadata"].get("deletionTimestamp"):
-            continue
+        if cluster["metadata"].get("deletionTimestamp") or cluster["metadata"]["name"] in keep:
+            continue  # going already, or a Surge's serving generation (reconcile/update.py)
         await kube.delete(RAYCLUSTER, ns, cluster["metadata"]["name"])
         why = ("suspended, which frees its Kueue quota" if queued and suspend
                else f"the spec now needs {name}")  # fmt: skip
@@ -168,7 +171,8 @@ async def _ensure_cluster(
 
 
 async def _drop_jobs_without_pods(
-    kube: Kube, ns: str, jobs: list[dict[str, Any]], cluster_name: str, suspend: bool
+    kube: Kube, ns: str, jobs: list[dict[str, Any]], cluster_name: str, suspend: bool,
+    keep: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Delete head jobs whose pods are going away (another cluster, or suspended); keep the rest.
 
@@ -181,6 +185,8 @@ async def _drop_jobs_without_pods(
         if _label(job, c.LABEL_CLUSTER) == cluster_name and not suspend:
             kept.append(job)
             continue
+        if _label(job, c.LABEL_CLUSTER) in keep:
+            continue  # the serving generation's, left alone during a Surge
         await kube.delete(RAYJOB, ns, job["metadata"]["name"])
     return kept
 
@@ -199,7 +205,7 @@ async def _provisioning(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, plan: Plan,
     cluster: dict[str, Any] | None, cluster_name: str, detail: str,
     token_secret: dict[str, Any] | None, st: StatusDoc,
-) -> Outcome:  # fmt: skip
+) -> None:  # fmt: skip
     cluster_uid = cluster["metadata"].get("uid") if cluster else None
     pods = _ours(await kube.list(POD, res.namespace, f"{c.LABEL_RAY_CLUSTER}={cluster_name}"),
                  cluster_uid)  # fmt: skip
@@ -224,16 +230,14 @@ async def _provisioning(
             "The head job starts once every Ray node has joined")  # fmt: skip
     st.cond(c.COND_READY, False, c.REASON_WAITING_FOR_NODES, message)
     st.phase(c.PHASE_PROVISIONING, message)
-    return st.outcome()
 
 
-def _queued(st: StatusDoc, state: QueueState) -> Outcome:
+def _queued(st: StatusDoc, state: QueueState) -> None:
     # No head job runs meanwhile: none failed, and none is launched into a suspended cluster.
     for type_ in (c.COND_CLUSTER_READY, c.COND_HEAD_JOB_RUNNING, c.COND_READY):
         st.cond(type_, False, state.reason, state.message)
     st.doc["headJob"] = None
     st.phase(state.phase, state.message)
-    return st.outcome()
 
 
 async def reconcile(
@@ -255,21 +259,29 @@ async def reconcile(
     plan = build_plan(spec)
     owner = owner_reference(res.name, res.uid)
     desired = build_raycluster(res.name, res.namespace, spec, plan, cfg.render, owner)
-    cluster_name = desired["metadata"]["name"]
-    st.doc.update(
-        layout=_layout(plan),
-        rayCluster=cluster_name,
-        endpoint=names.endpoint(res.name, res.namespace, spec.service.port),
-    )
     ns = res.namespace
     engine, head_job = c.COMPONENT_ENGINE, c.COMPONENT_HEAD_JOB
     clusters = _ours(await kube.list(RAYCLUSTER, ns, names.instance_selector(res.name, engine)),
                      res.uid)  # fmt: skip
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
+    step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st)
+    clusters, jobs = await surge.apply_step(kube, ns, step, clusters, jobs, st)
+    cluster_name = step.cluster
+    if cluster_name != desired["metadata"]["name"]:
+        # The same shape under another name: the serving cluster, or a Surge's second one.
+        desired["metadata"]["name"] = cluster_name
+    st.doc.update(
+        layout=_layout(plan),
+        rayCluster=cluster_name,
+        endpoint=names.endpoint(res.name, res.namespace, spec.service.port),
+    )
     # The policy goes first: the Ray pods are never up without it.
     await _ensure_network_policy(kube, res, spec, cfg, owner)
     await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
+    if step.mode is Mode.HOLD:
+        await surge.hold(kube, res, spec, owner, step.cluster, clusters, jobs, probes, cfg, st)
+        return st.outcome()
     token_secret = None
     if spec.ray.auth == RayAuth.TOKEN:
         token = cfg.ray_tokens.token(ns, res.name)
@@ -278,7 +290,8 @@ async def reconcile(
             # Before the cluster, whose pods read it; the operator never reads it back.
             await _create(kube, SECRET, token_secret)
     queue = kueue_queue(spec)
-    cluster = await _ensure_cluster(kube, desired, clusters, st, queue is not None, spec.suspend)
+    cluster = await _ensure_cluster(kube, desired, clusters, st, queue is not None, spec.suspend,
+                                    step.keep)  # fmt: skip
     # Kueue holds the cluster suspended until it admits it, and again when it evicts it.
     held = queue is not None and cluster is not None and bool(cluster["spec"].get("suspend"))
     cluster_uid = cluster["metadata"].get("uid") if cluster is not None else None
@@ -288,20 +301,48 @@ async def reconcile(
                                                      names.head_pod_selector(cluster_name)),
                                      cluster_uid))  # fmt: skip
     router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner)
+    shadow = None
+    if step.mode is Mode.CANDIDATE and step.record is not None:
+        # The old generation keeps its route; the new one's flow routes into a shadow.
+        old = await surge.router_of(kube, res, spec, owner, step.record["from"])
+        await surge.keep_serving(old, jobs, res.status.get("servedJob"), step.record["from"])
+        shadow = surge.Shadow()
+    route = shadow.route if shadow is not None else router.route
     if spec.suspend or cluster is None or held:
         # Unrouted before their head jobs are deleted: no new request meets a stopping engine.
-        await router.route(False)
+        await route(False)
 
     # Attempts count every head job seen, pruned or terminating ones too: names never repeat.
     st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
-    live = await _drop_jobs_without_pods(kube, ns, jobs, cluster_name, spec.suspend or held)
+    live = await _drop_jobs_without_pods(kube, ns, jobs, cluster_name, spec.suspend or held,
+                                         step.keep)  # fmt: skip
+    target = await _converge_cluster(kube, probes, ray_jobs, cfg, res, spec, plan, cluster,
+                                      cluster_name, head_pod, held, queue, live, token_secret,
+                                      st, route, shadow is not None)  # fmt: skip
+    if shadow is not None and step.record is not None:
+        await surge.after_candidate(st, shadow, router, step.record, probes, target, cfg, plan,
+                                   res.status.get("servedJob"))
+    return st.outcome()
+
+
+async def _converge_cluster(
+    kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, res: Resource,
+    spec: VLLMDataParallelSpec, plan: Plan, cluster: dict[str, Any] | None, cluster_name: str,
+    head_pod: dict[str, Any] | None, held: bool, queue: str | None, live: list[dict[str, Any]],
+    token_secret: dict[str, Any] | None, st: StatusDoc,
+    route: Callable[[bool | None], Awaitable[bool]], complete: bool,
+) -> Target | None:  # fmt: skip
+    """One generation: queued, suspended, provisioning, or its head jobs on a ready cluster."""
+    ns = res.namespace
     if held and not spec.suspend:
         assert cluster is not None and queue is not None
         workloads = await kube.list(WORKLOAD, ns, f"{c.LABEL_KUEUE_JOB_UID}="
                                     f"{cluster['metadata'].get('uid')}")  # fmt: skip
-        return _queued(st, queue_state(cluster_name, queue, next(iter(workloads), None)))
+        _queued(st, queue_state(cluster_name, queue, next(iter(workloads), None)))
+        return None
     if queue is not None and cluster is None and not spec.suspend:
-        return _queued(st, queue_state(cluster_name, queue, None))  # just created
+        _queued(st, queue_state(cluster_name, queue, None))  # just created
+        return None
     if spec.suspend:
         message = (f"Suspended: RayCluster {cluster_name} deleted, its quota in LocalQueue "
                    f"{queue} freed; resuming queues it again" if queue is not None
@@ -311,22 +352,24 @@ async def reconcile(
             st.cond(type_, False, c.REASON_SUSPENDED, message)
         st.doc["headJob"] = None
         st.phase(c.PHASE_SUSPENDED, message)
-        return st.outcome()
+        return None
 
     if cluster is None:
-        return await _provisioning(kube, res, spec, plan, None, cluster_name, "just created",
-                                   token_secret, st)  # fmt: skip
+        await _provisioning(kube, res, spec, plan, None, cluster_name, "just created",
+                            token_secret, st)  # fmt: skip
+        return None
     readiness = cluster_readiness(cluster, plan.worker_pods, head_pod)
     live.sort(key=_attempt)
     if not readiness.ready:
         # Not ready is no evidence that the engine is gone: the route stays while the head job
         # runs, unless the head pod itself is gone or not Ready (routing.route_ready).
-        await router.route(while_not_ready(live))
-        return await _provisioning(kube, res, spec, plan, cluster, cluster_name,
-                                   readiness.message, token_secret, st)  # fmt: skip
+        await route(while_not_ready(live))
+        await _provisioning(kube, res, spec, plan, cluster, cluster_name, readiness.message,
+                            token_secret, st)  # fmt: skip
+        return None
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
     flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
-                    router.route)  # fmt: skip
+                    route, complete)  # fmt: skip
     await flow.converge(live)
-    return st.outcome()
+    return flow.target

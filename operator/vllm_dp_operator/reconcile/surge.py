@@ -1,0 +1,254 @@
+"""A Surge update's I/O around the pure steps of `update.py`: which generation serves, the
+old generation kept routed on evidence only, and the switch of the API Service.
+
+While an update runs, the reconcile's flow (`converge.py`, `engines/headjobs.py`) works on the
+new generation with a `Shadow` in place of the router: it decides as always, but nothing it
+decides reaches the EndpointSlice. The old generation is left as it is: its head job is never
+stopped here, and its route goes only on evidence that it is gone (its head job ended or
+failed, its head pod gone or not Ready), as the data plane's rule says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.api import names
+from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.config import Config
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, Kube
+from vllm_dp_operator.engines.headjobs import head_pod_of
+from vllm_dp_operator.engines.jobstate import JobState, job_state
+from vllm_dp_operator.engines.prober import EngineProbes, Target
+from vllm_dp_operator.engines.transport import PROBES_OFF
+from vllm_dp_operator.plan import Plan
+from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
+from vllm_dp_operator.reconcile.routing import Router, while_not_ready
+from vllm_dp_operator.reconcile.status import condition_status
+from vllm_dp_operator.reconcile.update import Decision, Generation, Wanted, decide, switched
+from vllm_dp_operator.render.headjob import job_hash
+
+Obj = dict[str, Any]
+
+
+def _labels(obj: Obj) -> dict[str, str]:
+    labels: dict[str, str] = obj["metadata"].get("labels") or {}
+    return labels
+
+
+def _live(objs: list[Obj]) -> list[Obj]:
+    return [o for o in objs if not o["metadata"].get("deletionTimestamp")]
+
+
+def shape_of(cluster: Obj, rendered_name: str, rendered_shape: str) -> str:
+    """A cluster's shape hash: its label, or for one made before the label, its name's."""
+    shape = _labels(cluster).get(c.LABEL_CLUSTER_HASH)
+    if shape:
+        return shape
+    return rendered_shape if cluster["metadata"]["name"] == rendered_name else ""
+
+
+def serving_generation(
+    status: dict[str, Any], clusters: list[Obj], jobs: list[Obj], rendered_name: str,
+    rendered_shape: str,
+) -> Generation | None:  # fmt: skip
+    """The generation that served last and still runs: its head job live, its cluster there."""
+    name = status.get("servedJob")
+    if not name or name == status.get("lastFailedJob"):
+        return None
+    job = next((j for j in _live(jobs) if j["metadata"]["name"] == name), None)
+    if job is None or job_state(job) not in (JobState.PENDING, JobState.RUNNING):
+        return None
+    cluster_name = _labels(job).get(c.LABEL_CLUSTER)
+    cluster = next((cl for cl in _live(clusters) if cl["metadata"]["name"] == cluster_name), None)
+    if cluster is None or cluster_name is None:
+        return None
+    return Generation(cluster_name, shape_of(cluster, rendered_name, rendered_shape),
+                      _labels(job).get(c.LABEL_JOB_HASH) or "")  # fmt: skip
+
+
+class Shadow:
+    """Stands in for the router while the new generation comes up: records the decision."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    async def route(self, routed: bool | None) -> bool:
+        """Remember whether the flow would route; route nothing."""
+        self.asked = bool(routed)
+        return False
+
+
+async def keep_serving(
+    router: Router, jobs: list[Obj], served_job: str | None, cluster: str
+) -> bool:
+    """The old generation's route: kept while its head job runs and its head pod is Ready."""
+    job = [j for j in _live(jobs) if j["metadata"]["name"] == served_job
+           and _labels(j).get(c.LABEL_CLUSTER) == cluster]  # fmt: skip
+    return await router.route(while_not_ready(job))
+
+
+def completion_ok(probes: EngineProbes, target: Target | None) -> tuple[bool, str]:
+    """Whether the new generation answered one completion through its own head Service."""
+    if target is None:
+        return False, "its head job has not been probed yet"
+    answer = probes.completion(target)
+    if answer is None:
+        return False, "no completion asked yet (it follows the first /health 200)"
+    return answer.ok, answer.detail
+
+
+async def switch(
+    st: StatusDoc, router: Router, record: dict[str, Any], model: str, dp: int
+) -> None:
+    """Route to the new generation's head and start the old one's drain."""
+    await router.route(True)
+    new, old = record["to"], record["from"]
+    st.doc["update"] = switched(record, st.now)
+    st.doc.update(servedJob=st.doc.get("headJob"), consecutiveFailures=0, rayCluster=new)
+    st.event(c.EVENT_NORMAL, c.REASON_UPDATE_SWITCHED,
+             f"The API Service routes to RayCluster {new} (head job {st.doc.get('headJob')}), "
+             f"which answered /health and one completion; {old} drains, then is deleted")
+    message = f"Serving {model} with DP={dp} from RayCluster {new}; {old} drains"
+    st.cond(c.COND_READY, True, c.REASON_HEALTHY, message)
+    st.phase(c.PHASE_SERVING, message)
+
+
+def overlay_starting(st: StatusDoc, record: dict[str, Any], served_job: str | None,
+                     why: str) -> None:  # fmt: skip
+    """While the new generation comes up, the resource still serves from the old one."""
+    new, old = record["to"], record["from"]
+    detail = st.doc.get("message") or ""
+    st.doc.update(rayCluster=old, headJob=served_job, servedJob=served_job)
+    message = f"Serving from RayCluster {old}; updating to {new}: {detail} ({why})"
+    st.cond(c.COND_READY, True, c.REASON_UPDATE_IN_PROGRESS, message)
+    st.phase(c.PHASE_SERVING, message)
+
+
+def overlay_hold(st: StatusDoc, cluster: str, served_job: str | None, routed: bool,
+                 why: str) -> None:  # fmt: skip
+    """The old generation serves on; nothing new starts (a failed target, or a drain)."""
+    st.doc.update(rayCluster=cluster, headJob=served_job)
+    if routed:
+        st.phase(c.PHASE_SERVING, f"Serving from RayCluster {cluster}; {why}")
+    else:
+        message = f"RayCluster {cluster} no longer serves (its head job or head pod is gone)"
+        st.cond(c.COND_READY, False, c.REASON_NOT_HEALTHY, message)
+        st.phase(c.PHASE_LAUNCHING, message)
+
+
+def decide_step(
+    res: Resource, spec: VLLMDataParallelSpec, plan: Plan, desired: Obj, clusters: list[Obj],
+    jobs: list[Obj], st: StatusDoc,
+) -> Decision:  # fmt: skip
+    """This reconcile's step (update.decide), its record and condition written to the status."""
+    rendered = desired["metadata"]["name"]
+    shape = desired["metadata"]["labels"][c.LABEL_CLUSTER_HASH]
+    # Suspending stops the engines whatever the strategy: nothing to keep serving.
+    strategy = UpdateStrategy.RECREATE if spec.suspend else spec.update.strategy
+    engines = names.content_hash(plan.launch_spec())
+    want = Wanted(
+        strategy=strategy, shape=shape, cluster=rendered,
+        surge_cluster=names.raycluster(res.name, names.content_hash([shape, engines])),
+        job_hash=lambda cluster: job_hash(plan, cluster),
+        deadline_seconds=spec.launch.timeout_seconds, drain_seconds=spec.update.drain_seconds,
+    )  # fmt: skip
+    status = dict(res.status)
+    serving = serving_generation(status, clusters, jobs, rendered, shape)
+    live = {cl["metadata"]["name"]: shape_of(cl, rendered, shape) for cl in _live(clusters)}
+    step = decide(want, serving, live, status.get("update"), status.get("failedUpdate"), st.now)
+    st.doc.update(update=step.record, failedUpdate=step.failed)
+    for type_, reason, message in step.events:
+        st.event(type_, reason, message)
+    known = condition_status(st.doc["conditions"], c.COND_UPDATED) is not None
+    if step.updated is not None and (strategy == UpdateStrategy.SURGE or known):
+        st.cond(c.COND_UPDATED, *step.updated)
+    if step.recheck is not None:
+        st.recheck(step.recheck)
+    return step
+
+
+async def apply_step(
+    kube: Kube, ns: str, step: Decision, clusters: list[Obj], jobs: list[Obj], st: StatusDoc
+) -> tuple[list[Obj], list[Obj]]:
+    """Delete what the step gives up (a failed or superseded new generation, a drained old
+    one) with its head jobs; return the clusters and head jobs left."""
+    gone = {name for name, _ in step.delete}
+    for name, why in step.delete:
+        if any(cl["metadata"]["name"] == name for cl in _live(clusters)):
+            await kube.delete(RAYCLUSTER, ns, name)
+            st.event(c.EVENT_NORMAL, c.REASON_CLUSTER_RESHAPED, f"Deleted RayCluster {name}: "
+                     f"{why}")  # fmt: skip
+        for job in _live(jobs):
+            if _labels(job).get(c.LABEL_CLUSTER) == name:
+                await kube.delete(RAYJOB, ns, job["metadata"]["name"])
+    return ([cl for cl in clusters if cl["metadata"]["name"] not in gone],
+            [j for j in jobs if _labels(j).get(c.LABEL_CLUSTER) not in gone])
+
+
+async def router_of(
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, owner: Obj, cluster: str
+) -> Router:
+    """A router for one generation's head pod (the one that serves during a Surge)."""
+    pods = await kube.list(POD, res.namespace, names.head_pod_selector(cluster))
+    return Router(kube, res.name, res.namespace, res.uid, spec, head_pod_of(pods), owner)
+
+
+def _api_port(cluster: Obj | None, default: int) -> int:
+    """The API port of a cluster's head container as rendered (`http`), which a later spec
+    may have changed: the serving generation is probed where it listens."""
+    head = ((cluster or {}).get("spec") or {}).get("headGroupSpec") or {}
+    for container in ((head.get("template") or {}).get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http":
+                return int(port["containerPort"])
+    return default
+
+
+async def hold(
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, owner: Obj, cluster: str,
+    clusters: list[Obj], jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
+) -> None:  # fmt: skip
+    """The serving generation serves on, untouched; nothing new starts (update.Mode.HOLD).
+
+    A hold lasts until the next spec change, so the old head stays probed: a hung engine
+    loses its route by the usual threshold (failures in a row over a minimum time)."""
+    served = res.status.get("servedJob")
+    router = await router_of(kube, res, spec, owner, cluster)
+    live = [j for j in _live(jobs) if j["metadata"]["name"] == served
+            and _labels(j).get(c.LABEL_CLUSTER) == cluster]  # fmt: skip
+    decision = while_not_ready(live)
+    if decision is None and served and cfg.health_probe != PROBES_OFF:
+        obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
+        health = probes.health(Target(res.namespace, res.name, names.head_service(cluster),
+                                      _api_port(obj, spec.service.port), served))  # fmt: skip
+        since = health.failing_since or st.now
+        if health.ok:
+            decision = True
+        elif (health.failures >= cfg.unroute_after_failures
+                and (st.now - since).total_seconds() >= cfg.unroute_after_seconds):
+            decision = False  # fmt: skip
+    routed = await router.route(decision)
+    record = st.doc.get("update")
+    why = (f"the spec's change waits until {record['from']} has drained" if record
+           else f"the update to job hash {st.doc.get('failedUpdate')} did not serve by its "
+           "deadline (status.failedUpdate); a new spec change tries again")  # fmt: skip
+    overlay_hold(st, cluster, served, routed, why)
+
+
+async def after_candidate(
+    st: StatusDoc, shadow: Shadow, router: Router, record: dict[str, Any],
+    probes: EngineProbes, target: Target | None, cfg: Config, plan: Plan, served: str | None,
+) -> None:  # fmt: skip
+    """Switch to the new generation once it serves; else say that the old one still does."""
+    if not shadow.asked:
+        overlay_starting(st, record, served, "not serving yet")
+        return
+    if cfg.health_probe == PROBES_OFF:
+        ok, why = True, "healthProbe.mode off: the launcher's report alone (no completion sent)"
+    else:
+        ok, why = completion_ok(probes, target)
+    if ok:
+        await switch(st, router, record, plan.model, plan.data_parallel_size)
+        return
+    overlay_starting(st, record, served, f"/health answers; one completion: {why}")

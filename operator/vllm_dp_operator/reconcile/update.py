@@ -1,0 +1,213 @@
+"""Which generation of engines the reconcile converges, and a Surge update's steps: pure.
+
+A generation is one RayCluster and the head job on it; its identity is the head job's hash
+(`render/headjob.job_hash`: the launch plan and the cluster's name). A change that needs new
+engines is one whose cluster shape or job hash differs from the generation that serves.
+
+Under `Recreate` the reconcile converges the one generation the spec asks for (the serving
+cluster when its shape still fits, so an engine-only change relaunches on the same pods).
+Under `Surge`, while a generation serves, a change that needs new engines brings up a second
+one beside it (`Starting`); the old one stays routed, untouched, until the new one answers
+/health and one completion, then the API Service switches (`Draining`), and after
+`spec.update.drainSeconds` the old cluster is deleted. A new generation that has not served
+by `startedAt + spec.launch.timeoutSeconds` is deleted and its target remembered in
+`status.failedUpdate`: it is not tried again until the spec asks for something else, so a
+failing update never loops beside (or on) the user's traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from vllm_dp_operator.api.models import UpdateStrategy
+from vllm_dp_operator.reconcile.status import parse_rfc3339, rfc3339
+
+STARTING, DRAINING = "Starting", "Draining"
+
+
+class Mode(StrEnum):
+    """What the reconcile does with the target generation."""
+
+    #: Converge the target as the one generation (today's flow: the route follows it).
+    CONVERGE = "Converge"
+    #: Bring the target up beside the serving generation, never routing to it here.
+    CANDIDATE = "Candidate"
+    #: Leave the serving generation as it is (routed on evidence only) and start nothing.
+    HOLD = "Hold"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The generation that serves now: its cluster, that cluster's shape, its job's hash."""
+
+    cluster: str
+    shape: str
+    job_hash: str
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the spec asks for."""
+
+    strategy: str
+    shape: str
+    #: The cluster name the renderer gives this shape (`<name>-<shape hash>`).
+    cluster: str
+    #: The name of a second cluster of the same shape, for an engine-only Surge.
+    surge_cluster: str
+    #: The job hash the spec's plan has on a given cluster.
+    job_hash: Callable[[str], str]
+    deadline_seconds: int
+    drain_seconds: int
+
+
+@dataclass
+class Decision:
+    """One reconcile's step: which cluster, how, and what to delete or tell."""
+
+    mode: Mode
+    #: The cluster the flow converges (CONVERGE, CANDIDATE) or keeps serving (HOLD).
+    cluster: str
+    #: Clusters the flow must not delete (the serving one during a Surge).
+    keep: frozenset[str] = frozenset()
+    #: status.update to write (None clears it).
+    record: dict[str, Any] | None = None
+    #: status.failedUpdate to write.
+    failed: str | None = None
+    #: Clusters to delete now, with why.
+    delete: list[tuple[str, str]] = field(default_factory=list)
+    #: (event type, reason, message) to post.
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    #: The Updated condition: (ok, reason, message), or None to leave it.
+    updated: tuple[bool, str, str] | None = None
+    #: Seconds until a time-based step (the deadline, the end of a drain) is due.
+    recheck: float | None = None
+
+
+def _at(record: Mapping[str, Any], key: str) -> datetime | None:
+    return parse_rfc3339(record.get(key))
+
+
+def decide(
+    want: Wanted, serving: Generation | None, live_shapes: Mapping[str, str],
+    record: Mapping[str, Any] | None, failed: str | None, now: datetime,
+) -> Decision:  # fmt: skip
+    """The step for this reconcile; `live_shapes` maps each live cluster to its shape hash."""
+    if record and record.get("phase") == DRAINING:
+        return _draining(want, serving, record, failed, now)
+    if serving is None:
+        # Nothing serves: nothing to keep up, so any update is moot; converge what is asked,
+        # on a live cluster of the wanted shape where there is one (no pods restarted).
+        same = [n for n, s in live_shapes.items() if s == want.shape]
+        prefer = [n for n in ((record or {}).get("to"), want.cluster) if n in same]
+        return Decision(Mode.CONVERGE, (prefer or same or [want.cluster])[0], failed=failed)
+    unchanged = serving.shape == want.shape and serving.job_hash == want.job_hash(serving.cluster)
+    if unchanged:
+        d = Decision(Mode.CONVERGE, serving.cluster, updated=_up_to_date(serving))
+        if record and record.get("to") not in (None, serving.cluster):
+            d.delete.append((record["to"], "the spec asks again for what already serves"))
+            d.events.append(("Normal", "UpdateWithdrawn", f"Update to {record['to']} withdrawn:"
+                             f" the spec asks again for what {serving.cluster} serves"))
+        return d
+    if want.strategy != UpdateStrategy.SURGE:
+        # Recreate: the serving pods when the shape still fits (a new head job on them).
+        target = serving.cluster if serving.shape == want.shape else want.cluster
+        d = Decision(Mode.CONVERGE, target, failed=failed)
+        if record:
+            d.events.append(("Normal", "UpdateWithdrawn", f"Update to {record.get('to')} "
+                             "withdrawn: spec.update.strategy is Recreate"))
+        return d
+    return _surge(want, serving, record, failed, now)
+
+
+def _up_to_date(serving: Generation) -> tuple[bool, str, str]:
+    return True, "Updated", f"RayCluster {serving.cluster} runs what the spec asks for"
+
+
+def _surge(
+    want: Wanted, serving: Generation, record: Mapping[str, Any] | None, failed: str | None,
+    now: datetime,
+) -> Decision:  # fmt: skip
+    to = want.cluster if want.cluster != serving.cluster else want.surge_cluster
+    target = want.job_hash(to)
+    keep = frozenset({serving.cluster})
+    if failed == target:
+        # This very target failed: the old generation keeps serving; a new spec retries.
+        return Decision(Mode.HOLD, serving.cluster, keep=keep, failed=failed)
+    same = record is not None and record.get("phase") == STARTING and record.get("to") == to \
+        and record.get("target") == target and record.get("from") == serving.cluster  # fmt: skip
+    if same and record is not None:
+        started = _at(record, "startedAt") or now
+        deadline = started + timedelta(seconds=want.deadline_seconds)
+        if now >= deadline:
+            why = (f"it did not serve (/health and one completion) by {rfc3339(deadline)}, "
+                   f"spec.launch.timeoutSeconds ({want.deadline_seconds}s) after the update "
+                   f"started; {serving.cluster} keeps serving, and this target is not tried "
+                   "again until the spec changes")  # fmt: skip
+            return Decision(
+                Mode.HOLD, serving.cluster, keep=keep, failed=target,
+                delete=[(to, "its update did not serve by its deadline")],
+                events=[("Warning", "UpdateFailed", f"Update to RayCluster {to} failed: {why}")],
+                updated=(False, "UpdateFailed", f"Update to RayCluster {to} failed: {why}"),
+            )  # fmt: skip
+        return Decision(Mode.CANDIDATE, to, keep=keep, record=dict(record),
+                        recheck=(deadline - now).total_seconds() + 1,
+                        updated=_starting(serving, to, record))  # fmt: skip
+    d = Decision(Mode.CANDIDATE, to, keep=keep)
+    old_to = (record or {}).get("to")
+    if old_to and old_to not in (to, serving.cluster):
+        d.delete.append((old_to, "a newer spec change superseded its update"))
+    deadline = now + timedelta(seconds=want.deadline_seconds)
+    d.record = {"phase": STARTING, "from": serving.cluster, "to": to, "target": target,
+                "startedAt": rfc3339(now), "deadline": rfc3339(deadline), "drainingSince": None}
+    d.recheck = want.deadline_seconds + 1.0
+    d.events.append(("Normal", "UpdateStarted", f"Surge update: starting RayCluster {to} beside "
+                     f"{serving.cluster}, which serves until {to} answers /health and one "
+                     f"completion (deadline {rfc3339(deadline)})"))  # fmt: skip
+    d.updated = _starting(serving, to, d.record)
+    return d
+
+
+def _starting(serving: Generation, to: str, record: Mapping[str, Any]) -> tuple[bool, str, str]:
+    return (False, "UpdateInProgress", f"Surge update from {serving.cluster} to {to} started "
+            f"at {record.get('startedAt')}; {serving.cluster} serves until {to} answers "
+            f"/health and one completion (deadline {record.get('deadline')})")  # fmt: skip
+
+
+def switched(record: Mapping[str, Any], now: datetime) -> dict[str, Any]:
+    """The record once the API Service routes to the new generation: it drains the old."""
+    return {**record, "phase": DRAINING, "deadline": None, "drainingSince": rfc3339(now)}
+
+
+def _draining(
+    want: Wanted, serving: Generation | None, record: Mapping[str, Any], failed: str | None,
+    now: datetime,
+) -> Decision:  # fmt: skip
+    old, new = record["from"], record["to"]
+    since = _at(record, "drainingSince") or now
+    ends = since + timedelta(seconds=want.drain_seconds)
+    if now >= ends:
+        # The drain is over: the old cluster goes, and the next reconcile starts afresh (a
+        # change that came meanwhile is decided then, against what serves).
+        done = Decision(Mode.CONVERGE, new, keep=frozenset({new}), failed=failed,
+                        delete=[(old, f"its drain of {want.drain_seconds}s after the switch "
+                                 "ended")])  # fmt: skip
+        done.events.append(("Normal", "UpdateDone", f"Update done: RayCluster {new} serves; "
+                            f"deleted {old} after its {want.drain_seconds}s drain"))
+        done.recheck = 0.1
+        return done
+    keep = frozenset({old, new})
+    unchanged = serving is not None and serving.cluster == new and serving.shape == want.shape \
+        and serving.job_hash == want.job_hash(new)  # fmt: skip
+    # A further change waits for the drain to end: the old generation still runs, and a third
+    # cluster beside two would hold GPUs a third time.
+    mode = Mode.CONVERGE if unchanged or serving is None else Mode.HOLD
+    return Decision(mode, new, keep=keep, record=dict(record), failed=failed,
+                    recheck=(ends - now).total_seconds() + 1,
+                    updated=(True, "Draining", f"RayCluster {new} serves since "
+                             f"{record.get('drainingSince')}; {old} drains until "
+                             f"{rfc3339(ends)}, then is deleted"))  # fmt: skip

@@ -1,0 +1,181 @@
+"""A Surge update through the reconcile, against the faked world: a second generation beside
+the serving one, the route switched only once it serves, the old one drained then deleted;
+a new generation that never serves deleted at its deadline; no-engine changes restart nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_dp_operator import constants as c
+from vllm_dp_operator.controller.kube import SERVICE
+from world import World, serving, spec
+
+
+def surge(**over: Any) -> dict[str, Any]:
+    return spec(update={"strategy": "Surge", "drainSeconds": 30},
+                launch={"timeoutSeconds": 300}, **over)  # fmt: skip
+
+
+def routed_to(w: World) -> str | None:
+    """The cluster whose head pod the API Service's slice routes to (ready), if any."""
+    eps = w.endpoint_slice() or {}
+    for e in eps.get("endpoints") or []:
+        if e["conditions"]["ready"]:
+            uid = e["targetRef"]["uid"]
+            return str(uid).removeprefix("uid-head-").rsplit("-", 1)[0]
+    return None
+
+
+def cluster_names(w: World) -> list[str]:
+    return sorted(cl["metadata"]["name"] for cl in w.clusters()
+                  if not cl["metadata"].get("deletionTimestamp"))  # fmt: skip
+
+
+async def test_surge_end_to_end_switches_only_once_the_new_generation_serves() -> None:
+    w = await serving(surge())
+    [old] = cluster_names(w)
+    assert routed_to(w) == old
+    w.update(surge(engineArgs=["--max-model-len", "4096"]))
+    await w.step()
+    new = w.status["update"]["to"]
+    assert cluster_names(w) == sorted([old, new])
+    assert w.status["update"]["phase"] == "Starting"
+    assert (w.status["update"]["from"], w.status["phase"]) == (old, c.PHASE_SERVING)
+    assert routed_to(w) == old
+    assert w.ray.stops == []  # the old head job is never stopped
+    assert "UpdateStarted" in w.reasons()
+
+    w.cluster_ready()
+    await w.step(5)
+    new_jobs = [j["metadata"]["name"] for j in w.jobs()
+                if j["metadata"]["labels"][c.LABEL_CLUSTER] == new]  # fmt: skip
+    assert new_jobs == ["demo-j00002"] and "demo-j00001" in w.job_names()
+    assert routed_to(w) == old  # its head job has not served yet
+
+    w.run("demo-j00002")
+    w.probe.completes = False  # /health answers, but no completion yet: still the old one
+    await w.step(5)
+    assert routed_to(w) == old and w.status["update"]["phase"] == "Starting"
+    assert w.probe.completion_calls and w.probe.completion_calls[-1].startswith(
+        f"{new}-head-svc:")
+
+    w.probe.completes = True
+    await w.step(5)
+    assert routed_to(w) == new
+    assert w.status["update"]["phase"] == "Draining"
+    assert w.status["servedJob"] == "demo-j00002" and w.status["rayCluster"] == new
+    assert cluster_names(w) == sorted([old, new])  # the old one drains, still there
+    assert "UpdateSwitched" in w.reasons()
+
+    await w.step(10)
+    assert cluster_names(w) == sorted([old, new]) and routed_to(w) == new
+    out = await w.step(25)
+    assert cluster_names(w) == [new]
+    assert "update" not in w.status and "UpdateDone" in w.reasons()
+    assert out.status["update"] is None  # the merge patch removes it
+    await w.step(1)
+    assert routed_to(w) == new and w.status["phase"] == c.PHASE_SERVING
+    assert w.job_names() == ["demo-j00002"]
+
+
+async def test_a_new_generation_that_never_serves_is_deleted_and_not_retried() -> None:
+    w = await serving(surge())
+    [old] = cluster_names(w)
+    w.update(surge(model="Qwen/Qwen2.5-0.5B"))
+    await w.step()
+    new = w.status["update"]["to"]
+    w.probe.down.add(f"{new}-head-svc")
+    w.cluster_ready()
+    await w.step(5)
+    w.run("demo-j00002")
+    await w.step(100)
+    assert routed_to(w) == old and w.status["phase"] == c.PHASE_SERVING
+    await w.step(200)  # past startedAt + spec.launch.timeoutSeconds
+    assert cluster_names(w) == [old]
+    assert routed_to(w) == old and w.status["phase"] == c.PHASE_SERVING
+    assert "update" not in w.status and w.status["failedUpdate"]
+    assert ("Warning", "UpdateFailed") in [(t, r) for t, r, _ in w.events]
+    updated = {x["type"]: x for x in w.status["conditions"]}[c.COND_UPDATED]
+    assert (updated["status"], updated["reason"]) == ("False", "UpdateFailed")
+    assert "demo-j00001" in w.job_names() and "demo-j00002" not in w.job_names()
+    for _ in range(3):  # no retry loop: the same spec starts nothing again
+        await w.step(600)
+        assert cluster_names(w) == [old] and routed_to(w) == old
+    assert w.reasons().count("UpdateStarted") == 1
+    w.update(surge(model="Qwen/Qwen2.5-1.5B"))  # a new spec change tries again
+    await w.step()
+    assert w.status["update"]["phase"] == "Starting" and len(cluster_names(w)) == 2
+
+
+async def test_a_held_old_generation_is_still_probed_and_unrouted_when_hung() -> None:
+    """After a failed Surge the hold lasts until the next spec change: the old head keeps its
+    /health probes, so a hung engine loses the route by the usual threshold, and regains it."""
+    w = await serving(surge())
+    [old] = cluster_names(w)
+    w.update(surge(model="Qwen/Qwen2.5-0.5B"))
+    await w.step()
+    w.probe.down.add(f"{w.status['update']['to']}-head-svc")
+    await w.step(301)
+    assert w.status["failedUpdate"] and routed_to(w) == old
+    w.probe.ok = False
+    for _ in range(w.cfg.unroute_after_failures + 1):
+        await w.step(w.cfg.unroute_after_seconds)
+    assert routed_to(w) is None
+    w.probe.ok = True
+    await w.step(1)
+    assert routed_to(w) == old and w.status["phase"] == c.PHASE_SERVING
+    assert w.probe.calls[-1].startswith(f"{old}-head-svc:")
+
+
+async def test_a_queued_resource_queues_its_second_generation_in_the_same_queue() -> None:
+    """Through Kueue the second RayCluster carries the same queue labels and is made suspended
+    (Kueue admits it); while it waits the old one serves, and the operator writes neither's
+    suspend."""
+    raw = surge(scheduling={"queueName": "gpu"})
+    w = World(raw)
+    await w.step()
+    for cluster in w.clusters():
+        cluster["spec"]["suspend"] = False  # Kueue admits the first
+    w.cluster_ready()
+    await w.step()
+    w.run("demo-j00001")
+    w.probe.ok = True
+    await w.step()
+    [old] = cluster_names(w)
+    assert w.status["phase"] == c.PHASE_SERVING and routed_to(w) == old
+    w.update({**raw, "engineArgs": ["--max-model-len", "4096"]})
+    await w.step()
+    new = w.status["update"]["to"]
+    [second] = [cl for cl in w.clusters() if cl["metadata"]["name"] == new]
+    assert second["metadata"]["labels"][c.LABEL_KUEUE_QUEUE] == "gpu"
+    assert second["spec"]["suspend"] is True
+    await w.step(5)
+    assert w.status["phase"] == c.PHASE_SERVING and routed_to(w) == old
+    assert f"updating to {new}: Queued in LocalQueue gpu" in w.status["message"]
+    patches = [x for x in w.kube.writes if x[0] == "patch" and x[1] == "rayclusters"]
+    assert patches == []
+
+
+async def test_changes_without_new_engines_restart_nothing_under_either_strategy() -> None:
+    for raw in (spec(), surge()):
+        w = await serving(raw)
+        clusters, jobs = cluster_names(w), w.job_names()
+        writes = len(w.kube.writes)
+        changed = {**raw, "service": {"type": "NodePort", "annotations": {"a": "b"}}}
+        w.update(changed)
+        await w.step(1)
+        await w.step(1)
+        assert cluster_names(w) == clusters and w.job_names() == jobs
+        assert "update" not in w.status and w.ray.stops == []
+        assert w.kube.objects[(SERVICE, "default", "demo-api")]["spec"]["type"] == "NodePort"
+        kinds = {kind for _, kind, *_ in w.kube.writes[writes:]}
+        assert kinds <= {"services"}, kinds
+
+
+async def test_recreate_still_relaunches_on_the_same_pods() -> None:
+    w = await serving(spec())
+    [old] = cluster_names(w)
+    w.update(spec(engineArgs=["--max-model-len", "4096"]))
+    await w.step()
+    assert cluster_names(w) == [old] and "update" not in w.status
+    assert not w.routed()  # Recreate: the old engines stop, serving pauses
