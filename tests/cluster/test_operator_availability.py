@@ -29,10 +29,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from vllm_dp_operator.constants import HEAD_CONTAINER
 
 from .bed import RunningCluster
 from .podfaults import container_pid, dropped, sigkill
-from .timeline import RouteWatch, route_watch
+from .timeline import SERVING, RouteWatch, route_watch, stage_times
 from .traffic import Traffic
 from .vdp import (
     API_PORT,
@@ -109,7 +110,7 @@ def revive_bed(cluster: RunningCluster) -> list[str]:
     it, and the modules after this one, find the bed whole."""
     import faults  # tests/testbed/faults.py, on sys.path once vdp is imported
 
-    return faults.revive(cluster.state_dir)
+    return list(faults.revive(cluster.state_dir))
 
 
 def slice_watch(vdp: Vdp) -> RouteWatch:
@@ -266,24 +267,32 @@ def test_b2_api_server_down(vdp: Vdp, report: dict[str, str]) -> None:
     assert endpoint["conditions"]["ready"] is True, endpoint
 
 
+def routed_after(watch: RouteWatch, after: float) -> float | None:
+    """When an endpoint of the slice was first ready again after `after` (epoch)."""
+    return next((at for at, s in watch.seen if at > after and "true" in s.split()), None)
+
+
 def test_f_head_pod_deleted_stops_routing_then_serves_again(
         vdp: Vdp, report: dict[str, str]) -> None:  # fmt: skip
     if revived := revive_bed(vdp.cluster):
         report["bed before F"] = f"started again: {', '.join(revived)}"
     st = vdp.wait_phase("Serving", 120)
-    old_job = st["headJob"]
-    head = vdp.pods()["head"]["metadata"]["name"]
+    job = st["headJob"]
+    old = vdp.pods()["head"]["metadata"]
     watch = slice_watch(vdp)
     try:
         with traffic(vdp, "f") as t:
             vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
             deleted = time.time()
-            vdp.cluster.kubectl("delete", "pod", head, "-n", vdp.ns, "--wait=false")
+            vdp.cluster.kubectl("delete", "pod", old["name"], "-n", vdp.ns, "--wait=false")
             unrouted = vdp.wait("the endpoint unrouted", lambda: unready_seen(watch, deleted),
                                 60)[0][0]  # fmt: skip
-            new = vdp.wait("a relaunch", lambda: (s := vdp.status()).get("headJob") not in (
-                None, old_job) and s["headJob"], 300)  # fmt: skip
-            vdp.wait_phase("Serving", 300, job=new)
+            # The relaunch: KubeRay makes a new head pod, and the head job runs on it again
+            # (KubeRay resubmits it to the new Ray head, or the operator launches a new one).
+            head = vdp.wait("a new head pod", lambda: (p := vdp.pods().get("head")) and p[
+                "metadata"]["uid"] != old["uid"] and p, 180)["metadata"]  # fmt: skip
+            rerouted = vdp.wait("the endpoint routed again", lambda: routed_after(
+                watch, unrouted), 300)  # fmt: skip
 
             def served_again() -> bool:
                 c = t.counts()
@@ -293,15 +302,26 @@ def test_f_head_pod_deleted_stops_routing_then_serves_again(
             time.sleep(5)
     finally:
         watch.stop()
+    st = vdp.status()
+    log = vdp.cluster.kubectl("logs", head["name"], "-n", vdp.ns, "-c", HEAD_CONTAINER,
+                              check=False).stdout  # fmt: skip
+    serving = stage_times(log, st["headJob"]).get(SERVING)
     res = t.result
     unroute_s = unrouted - deleted
     first_fail = f"{res['failures'][0]['sent'] - deleted:.1f}s" if res["failures"] else "none"
     outage = sum(o["to"] - o["from"] for o in res["outages"])
-    report["F head pod deleted"] = (f"{t.summary()}; unrouted {unroute_s:.1f}s after the "
-                                    f"delete, first failure at {first_fail}, outage "
-                                    f"{outage:.1f}s")  # fmt: skip
-    assert unroute_s < 15, f"routing stopped {unroute_s:.1f}s after the delete\n{watch.seen}"
-    assert res["rate"] >= MIN_RATE, t.summary()
-    assert all(o["to"] is not None for o in res["outages"]), res["outages"]
-    assert len(res["outages"]) <= 1, f"more than the one outage: {res['outages']}"
-    assert res["ok"] > 0
+    report["F head pod deleted"] = (
+        f"{t.summary()}; unrouted {unroute_s:.1f}s after the delete, first failure at "
+        f"{first_fail}, routed again at {rerouted - deleted:.1f}s (vLLM serving on the new "
+        f"head at {(serving or 0) - deleted:.1f}s), outage {outage:.1f}s; head job {job} -> "
+        f"{st['headJob']}")  # fmt: skip
+    why = (f"{t.summary()}\nslice: {watch.seen}\nfailures: {json.dumps(res['failures'][-10:])}"
+           f"\n--- new head's log\n{log[-3000:]}\n{operator_logs(vdp.cluster)}")  # fmt: skip
+    assert unroute_s < 15, f"routing stopped {unroute_s:.1f}s after the delete\n{why}"
+    # Routed again only once vLLM answers on the new head: no request meets a closed port.
+    assert serving is not None, why
+    assert rerouted >= serving - 0.2, f"routed {serving - rerouted:.1f}s before vLLM served\n{why}"
+    assert res["rate"] >= MIN_RATE, why
+    assert all(o["to"] is not None for o in res["outages"]), why
+    assert len(res["outages"]) <= 1, f"more than the one outage\n{why}"
+    assert st["phase"] == "Serving" and res["ok"] > 0, why
