@@ -3,10 +3,11 @@
 
     python3 traffic_client.py --url http://10.201.0.7:8000 --model double [--rate 10]
 
-Senders POST /v1/completions (max_tokens 1) to --url at --rate requests a second in all, each
-on a new connection, so every request passes kube-proxy's choice of endpoint afresh (a kept-alive
-connection would stay on a pod the Service no longer routes to). $VLLMDP_API_KEY, when set,
-goes in `Authorization: Bearer`; it is never logged.
+It POSTs /v1/completions (max_tokens 1) to --url at --rate requests a second, open loop
+(each started on schedule, whatever the earlier ones do), each on a new connection, so every
+request passes kube-proxy's choice of endpoint afresh (a kept-alive connection would stay on
+a pod the Service no longer routes to). $VLLMDP_API_KEY, when set, goes in
+`Authorization: Bearer`; it is never logged.
 
 What counts: every non-2xx answer and every connection error or timeout is a failure, kept with
 its send and end times. Counting starts at the first 200 (the client's own start, before the
@@ -116,12 +117,10 @@ def send_one(url: str, body: bytes, headers: dict[str, str],
         conn.close()
 
 
-def sender(tally: Tally, url: str, body: bytes, headers: dict[str, str], period: float,
-           timeout: float, offset: float) -> None:  # fmt: skip
-    """One sender: a request every `period` seconds, the next at once when one took longer."""
-    time.sleep(offset)
-    due = time.monotonic()
-    while tally.stopped_at is None:
+def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], timeout: float,
+                slots: threading.Semaphore) -> None:  # fmt: skip
+    """Send one request, count it, print it if it failed, and free its slot."""
+    try:
         sent = time.time()
         status, detail = send_one(url, body, headers, timeout)
         done = time.time()
@@ -129,9 +128,25 @@ def sender(tally: Tally, url: str, body: bytes, headers: dict[str, str], period:
                 and tally.first_ok_at is not None:
             print(f"failure sent={sent:.3f} done={done:.3f} status={status} {detail[:160]}",
                   flush=True)  # fmt: skip
-        due += period
+    finally:
+        slots.release()
+
+
+def pace(tally: Tally, url: str, body: bytes, headers: dict[str, str], rate: float,
+         timeout: float, in_flight: int) -> None:  # fmt: skip
+    """Start a request every 1/rate seconds, each on its own thread, whatever the earlier ones
+    are doing (open loop): a slow failure (a timeout, a refused connection after SYN retries)
+    holds one of `in_flight` slots and does not lower the rate, as it would for a client that
+    waits for each answer before the next."""
+    slots = threading.Semaphore(in_flight)
+    due = time.monotonic()
+    while tally.stopped_at is None:
+        slots.acquire()
+        threading.Thread(target=one_request, args=(tally, url, body, headers, timeout, slots),
+                         daemon=True).start()  # fmt: skip
+        due += 1.0 / rate
         time.sleep(max(0.0, due - time.monotonic()))
-        due = max(due, time.monotonic() - period)  # behind after a slow one: no burst to catch up
+        due = max(due, time.monotonic() - 1.0 / rate)  # behind (slots full): no burst after
 
 
 def serve(tally: Tally, port: int) -> http.server.ThreadingHTTPServer:
@@ -164,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", required=True, help="the Service, e.g. http://10.201.0.7:8000")
     p.add_argument("--model", required=True)
-    p.add_argument("--rate", type=float, default=10.0, help="requests a second, all senders")
-    p.add_argument("--senders", type=int, default=2)
+    p.add_argument("--rate", type=float, default=10.0, help="requests a second")
+    p.add_argument("--in-flight", type=int, default=64, help="most requests open at once")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
     p.add_argument("--port", type=int, default=8089)
     a = p.parse_args(argv)
@@ -176,13 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         headers["Authorization"] = f"Bearer {key}"
     body = json.dumps({"model": a.model, "prompt": "hi", "max_tokens": 1}).encode()
     url = a.url.rstrip("/") + "/v1/completions"
-    period = a.senders / a.rate
-    threads = [threading.Thread(target=sender, args=(tally, url, body, headers, period,
-                                                     a.timeout, i * period / a.senders),
-                                daemon=True) for i in range(a.senders)]  # fmt: skip
-    for t in threads:
-        t.start()
-    print(f"sending to {url} at {a.rate}/s from {a.senders} senders", flush=True)
+    threading.Thread(target=pace, args=(tally, url, body, headers, a.rate, a.timeout,
+                                        a.in_flight), daemon=True).start()  # fmt: skip
+    print(f"sending to {url} at {a.rate}/s, at most {a.in_flight} open", flush=True)
     while tally.stopped_at is None:
         time.sleep(0.2)
     print("stopped: " + json.dumps({k: v for k, v in tally.snapshot().items()

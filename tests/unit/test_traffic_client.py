@@ -35,6 +35,7 @@ class Engine:
     def __init__(self) -> None:
         self.port = free_port()
         self.status = 503
+        self.delay = 0.0  # seconds before each answer: a hung engine, a slow failure
         self.bodies: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
         self.server: http.server.ThreadingHTTPServer | None = None
@@ -48,6 +49,7 @@ class Engine:
                 n = int(self.headers.get("Content-Length") or 0)
                 engine.bodies.append(json.loads(self.rfile.read(n)))
                 engine.auth.append(self.headers.get("Authorization"))
+                time.sleep(engine.delay)
                 self.send_response(engine.status)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
@@ -149,6 +151,21 @@ def test_counts_from_the_first_200_and_outages_end_at_a_success(
     time.sleep(0.3)
     assert json.loads(get(port, "/counts")[1])["failed"] == final["failed"]
     assert proc.poll() is None  # still answering /counts until its pod goes
+
+
+def test_slow_failures_do_not_lower_the_rate(
+        engine: Engine, client: tuple[int, subprocess.Popen[str]]) -> None:  # fmt: skip
+    # Open loop: answers that take the whole timeout (1 s here) still leave 20 a second.
+    port, _ = client
+    engine.status = 200
+    wait_for(lambda: get(port, "/ready")[0] == 200)
+    engine.delay = 2.0
+    time.sleep(5.0)
+    final = json.loads(get(port, "/stop")[1])
+    # Counted as they end: the last second's, still open at the stop, are not (a closed loop
+    # of two senders would manage 2 a second here).
+    assert final["failed"] >= 60 and final["rate"] >= 12, final
+    assert {f["detail"].split(":")[0] for f in final["failures"]} == {"TimeoutError"}, final
 
 
 def test_tally_keeps_an_open_outage_and_caps_kept_failures() -> None:
