@@ -21,6 +21,11 @@ from common import http_get, pid_alive
 from procs import Launcher, State, pid_matches, stop
 
 RESTARTABLE = ("etcd", "kube-apiserver")
+#: Components an API-server restart can take down with it, started again by `revive`. The bed
+#: has no supervisor (a cluster's kubelet restarts its static pods); kube-scheduler v1.36 exits
+#: when its cache sees a pod on another node than it recorded, which a relist after an API
+#: server restart can produce.
+REVIVABLE = ("kube-scheduler", "kube-controller-manager")
 
 
 def _ready(st: State, name: str) -> Callable[[], bool]:
@@ -51,6 +56,29 @@ def start_component(root: Path, name: str, rec: dict[str, object], timeout: floa
     argv = rec["argv"]
     assert isinstance(argv, list)
     return _launch(State(root), name, [str(a) for a in argv], str(rec["exe"]), timeout)
+
+
+def revive(root: Path, timeout: float = 60) -> list[str]:
+    """Start again, as `up` started it, each REVIVABLE component whose process is gone;
+    return their names (none: nothing was down)."""
+    st = State(root)
+    revived = []
+    for name in REVIVABLE:
+        rec = st.pids().get(name)
+        if rec is None or "argv" not in rec:
+            continue
+        if pid_alive(rec["pid"]) and pid_matches(rec["pid"], rec["exe"]):
+            continue
+        argv = [str(a) for a in rec["argv"]]
+        port = next(a.split("=", 1)[1] for a in argv if a.startswith("--secure-port="))
+        url = f"https://127.0.0.1:{port}/healthz"
+
+        def healthy(url: str = url) -> bool:
+            return http_get(url)[0] == 200
+
+        Launcher(st).launch(name, argv, healthy, timeout, exe=str(rec["exe"]))
+        revived.append(name)
+    return revived
 
 
 def _launch(st: State, name: str, argv: list[str], exe: str, timeout: float) -> float:

@@ -160,6 +160,28 @@ async def test_a_replaced_head_pod_took_the_old_ray_job_with_it() -> None:
     assert "replaced" in next(e[2] for e in w.events if e[1] == c.REASON_JOB_STOPPED)
 
 
+async def test_a_head_job_run_again_on_a_new_head_pod_is_routed_only_once_it_answers() -> None:
+    # KubeRay submits a head job again when its head pod is replaced: a new Ray head, the same
+    # name, still RUNNING. That run has not served, so no request may reach the new pod until
+    # vLLM answers there (found on the real-node bed: routed 29 s before the launcher's serving).
+    w = await serving()
+    cluster = w.status["rayCluster"]
+    assert w.status["servedHeadPod"] == f"uid-head-{cluster}-0"
+    w.kube.objects.pop((POD, "default", f"{cluster}-head-0"))
+    w.new_head_pod(cluster, index=1)
+    w.probe.ok = False  # vLLM not up on the new head yet
+    await w.step()
+    assert w.job_names() == ["demo-j00001"] and not w.routed()
+    assert w.status["phase"] == c.PHASE_LAUNCHING, w.status["message"]
+    w.probe.ok = True
+    await w.step()
+    assert w.routed() and w.status["phase"] == c.PHASE_SERVING
+    assert w.status["servedHeadPod"] == f"uid-head-{cluster}-1"
+    w.probe.ok = False  # served on this pod now: one failed probe keeps the route again
+    await w.step()
+    assert w.routed() and w.status["phase"] == c.PHASE_SERVING
+
+
 @pytest.mark.parametrize(
     ("status", "health_ok", "stage"),
     [

@@ -608,6 +608,11 @@ class VLLMDataParallelStatus(ApiModel):
         description="The last head job seen serving; the launch deadline no longer applies "
         "to it.",
     )
+    served_head_pod: str | None = Field(
+        default=None,
+        description="The UID of the head pod servedJob served on. KubeRay runs a head job "
+        "again on a replaced head pod; that run is routed only once it answers.",
+    )
     next_launch_time: str | None = Field(
         default=None,
         description="While in Backoff: when the next head job is launched (RFC 3339).",

@@ -118,7 +118,7 @@ class HeadJobs:
         self.target = Target(self.ns, self.res.name, names.head_service(self.cluster),
                              self.spec.service.port, name, model,
                              self.spec.api_key_secret_ref is not None)  # fmt: skip
-        served = doc.get("servedJob") == name
+        served = self._served(job)
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).
         # Only once its Ray job runs: before that no launcher writes, and nothing is followed.
@@ -152,6 +152,20 @@ class HeadJobs:
                       c.HEAD_CONTAINER, meta["name"],
                       parse_rfc3339(meta.get("creationTimestamp")) or self.st.now)  # fmt: skip
 
+    def _served(self, job: dict[str, Any]) -> bool:
+        """Whether this head job has served on the head pod it runs on now. KubeRay submits a
+        head job again when its head pod is replaced (a new Ray head, the same name, still
+        RUNNING): that run has not served yet. A status without `servedHeadPod` (written by an
+        earlier version) takes the job's name alone, as that version did."""
+        doc = self.st.doc
+        if doc.get("servedJob") != job["metadata"]["name"]:
+            return False
+        served_on = doc.get("servedHeadPod")
+        return served_on is None or served_on == self._head_uid()
+
+    def _head_uid(self) -> str | None:
+        return self.head_pod["metadata"]["uid"] if self.head_pod else None
+
     def _routable(self, job: dict[str, Any]) -> bool:
         """Whether the Service may route to this running head job: its vLLM answers now, or
         it has served and the operator's probes have not failed long enough to prove it gone."""
@@ -159,8 +173,8 @@ class HeadJobs:
         if self.health.ok:
             doc.update(probeFailures=None, probeFailingSince=None)
             return True
-        if doc.get("servedJob") != job["metadata"]["name"]:
-            return False  # never routed before its first answer
+        if not self._served(job):
+            return False  # never routed before its first answer on this head pod
         if self.health.failures == 0:
             return True  # not probed since this operator started: what served stays routed
         # A failed probe may only mean the operator could not ask (a timeout, a DNS or network
@@ -312,7 +326,7 @@ class HeadJobs:
             if self.res.status.get("phase") != c.PHASE_SERVING:
                 st.event(c.EVENT_NORMAL, c.REASON_HEALTHY, f"vLLM answers /health: "
                          f"{self.health.detail}")  # fmt: skip
-            st.doc.update(consecutiveFailures=0, servedJob=name)
+            st.doc.update(consecutiveFailures=0, servedJob=name, servedHeadPod=self._head_uid())
             if self.health.ok:  # else not probed yet since a restart: the condition stands
                 st.cond(c.COND_READY, True, c.REASON_HEALTHY, self.health.detail)
             st.phase(c.PHASE_SERVING, serving)
@@ -330,8 +344,10 @@ class HeadJobs:
             message = f"Head job {name} waits: {'; '.join(waiting)}"
             st.recheck(STOP_RECHECK_SECONDS)
         elif st.doc.get("servedJob") == name:
-            message = (f"Head job {name} served, but /health has not answered since "
-                       f"{st.doc.get('probeFailingSince')} ({self.health.detail}); not routed")
+            since = st.doc.get("probeFailingSince")
+            message = (f"Head job {name} served, but /health has not answered "
+                       + (f"since {since}" if since else "on this head pod yet")
+                       + f" ({self.health.detail}); not routed")  # fmt: skip
         else:
             created = parse_rfc3339(job["metadata"].get("creationTimestamp")) or st.now
             deadline = created + timedelta(seconds=self.spec.launch.timeout_seconds)

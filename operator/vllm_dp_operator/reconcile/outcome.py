@@ -58,7 +58,7 @@ class Outcome:
 
 # Status keys carried over from one reconcile to the next (the rest is recomputed).
 _CARRIED = ("lastFailedJob", "lastFailureTime", "lastFailureReason", "headJob", "servedJob",
-            "probeFailures", "probeFailingSince")
+            "servedHeadPod", "probeFailures", "probeFailingSince")
 # Status keys only a Serving reconcile fills (from vLLM's /metrics); None removes them.
 ENGINE_KEYS = ("load",)
 #: Per-rank load and totals, which earlier versions wrote on every probe: removed from a status

@@ -105,7 +105,9 @@ async def switch(
     await router.route(True)
     new, old = record["to"], record["from"]
     st.doc["update"] = switched(record, st.now)
-    st.doc.update(servedJob=st.doc.get("headJob"), consecutiveFailures=0, rayCluster=new)
+    head = router.head_pod
+    st.doc.update(servedJob=st.doc.get("headJob"), consecutiveFailures=0, rayCluster=new,
+                  servedHeadPod=head["metadata"]["uid"] if head else None)  # fmt: skip
     st.event(c.EVENT_NORMAL, c.REASON_UPDATE_SWITCHED,
              f"The API Service routes to RayCluster {new} (head job {st.doc.get('headJob')}), "
              f"which answered /health and one completion; {old} drains, then is deleted")
@@ -115,11 +117,13 @@ async def switch(
 
 
 def overlay_starting(st: StatusDoc, record: dict[str, Any], served_job: str | None,
-                     why: str) -> None:  # fmt: skip
-    """While the new generation comes up, the resource still serves from the old one."""
+                     why: str, served_head: str | None = None) -> None:  # fmt: skip
+    """While the new generation comes up, the resource still serves from the old one (and
+    the old one's head pod stays the one it served on: the new flow may have said otherwise)."""
     new, old = record["to"], record["from"]
     detail = st.doc.get("message") or ""
-    st.doc.update(rayCluster=old, headJob=served_job, servedJob=served_job)
+    st.doc.update(rayCluster=old, headJob=served_job, servedJob=served_job,
+                  servedHeadPod=served_head)  # fmt: skip
     message = f"Serving from RayCluster {old}; updating to {new}: {detail} ({why})"
     st.cond(c.COND_READY, True, c.REASON_UPDATE_IN_PROGRESS, message)
     st.phase(c.PHASE_SERVING, message)
@@ -239,10 +243,11 @@ async def hold(
 async def after_candidate(
     st: StatusDoc, shadow: Shadow, router: Router, record: dict[str, Any],
     probes: EngineProbes, target: Target | None, cfg: Config, plan: Plan, served: str | None,
+    served_head: str | None = None,
 ) -> None:  # fmt: skip
     """Switch to the new generation once it serves; else say that the old one still does."""
     if not shadow.asked:
-        overlay_starting(st, record, served, "not serving yet")
+        overlay_starting(st, record, served, "not serving yet", served_head)
         return
     if cfg.health_probe == PROBES_OFF:
         ok, why = True, "healthProbe.mode off: the launcher's report alone (no completion sent)"
@@ -251,4 +256,5 @@ async def after_candidate(
     if ok:
         await switch(st, router, record, plan.model, plan.data_parallel_size)
         return
-    overlay_starting(st, record, served, f"/health answers; one completion: {why}")
+    overlay_starting(st, record, served, f"/health answers; one completion: {why}",
+                     served_head)  # fmt: skip

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""A client that sends completions without pause and counts what fails (runs in a pod).
+
+    python3 traffic_client.py --url http://10.201.0.7:8000 --model double [--rate 10]
+
+It POSTs /v1/completions (max_tokens 1) to --url at --rate requests a second, open loop
+(each started on schedule, whatever the earlier ones do), each on a new connection, so every
+request passes kube-proxy's choice of endpoint afresh (a kept-alive connection would stay on
+a pod the Service no longer routes to). $VLLMDP_API_KEY, when set, goes in
+`Authorization: Bearer`; it is never logged.
+
+What counts: every non-2xx answer and every connection error or timeout is a failure, kept with
+its send and end times. Counting starts at the first 200 (the client's own start, before the
+Service answers, is not a failure) and ends at GET /stop (its own stop neither: answers that land
+after it are dropped). A failure's run ends at the next success; each run is an outage.
+
+Port --port serves the counts: GET /ready (200 once the first 200 came back: the pod's
+readiness probe), GET /counts (the tally so far), GET /stop (stop sending and counting; the
+final tally). Each failure is also printed, so the pod's log tells the same story.
+
+Test-only, standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import http.server
+import json
+import os
+import sys
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+#: Failures kept in full; beyond this only counted (a long outage at 10/s is thousands).
+KEEP_FAILURES = 200
+
+
+class Tally:
+    """Counts of one client run; thread-safe. Times are epoch seconds (the host's clock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started_at = time.time()
+        self.first_ok_at: float | None = None
+        self.stopped_at: float | None = None
+        self.ok = 0
+        self.failed = 0
+        self.before_first_ok = 0  # failures before the first 200: the client's own start
+        self.failures: list[dict[str, Any]] = []
+        self.outages: list[dict[str, Any]] = []  # runs of failures, each ended by a success
+        self._open: dict[str, Any] | None = None
+
+    def record(self, sent: float, done: float, status: int | None, detail: str) -> bool:
+        """Count one request (status None: no HTTP answer); False once stopped."""
+        good = status is not None and 200 <= status < 300
+        with self.lock:
+            if self.stopped_at is not None:
+                return False
+            if self.first_ok_at is None:
+                if not good:
+                    self.before_first_ok += 1
+                    return True
+                self.first_ok_at = done
+            if good:
+                self.ok += 1
+                if self._open is not None:
+                    self._open["to"] = done
+                    self.outages.append(self._open)
+                    self._open = None
+                return True
+            self.failed += 1
+            if len(self.failures) < KEEP_FAILURES:
+                self.failures.append({"sent": round(sent, 3), "done": round(done, 3),
+                                      "status": status, "detail": detail[:200]})  # fmt: skip
+            if self._open is None:
+                self._open = {"from": sent, "to": None, "failed": 0}
+            self._open["failed"] += 1
+            return True
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.stopped_at is None:
+                self.stopped_at = time.time()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The tally as JSON-able data; `counting_s` runs from the first 200 to the stop (or
+        now), `rate` is requests a second over it, an outage still open has `to` None."""
+        with self.lock:
+            end = self.stopped_at or time.time()
+            span = end - self.first_ok_at if self.first_ok_at else 0.0
+            total = self.ok + self.failed
+            outages = [*self.outages, *([dict(self._open)] if self._open else [])]
+            return {"started_at": self.started_at, "first_ok_at": self.first_ok_at,
+                    "stopped_at": self.stopped_at, "counting_s": round(span, 3),
+                    "total": total, "ok": self.ok, "failed": self.failed,
+                    "rate": round(total / span, 2) if span > 0 else 0.0,
+                    "before_first_ok": self.before_first_ok,
+                    "failures": list(self.failures), "outages": outages}  # fmt: skip
+
+
+def send_one(url: str, body: bytes, headers: dict[str, str],
+             timeout: float) -> tuple[int | None, str]:  # fmt: skip
+    """POST once on a new connection: (status, detail); status None for no HTTP answer."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
+    try:
+        conn.request("POST", parts.path or "/", body=body, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read(300).decode(errors="replace")
+        return resp.status, "" if 200 <= resp.status < 300 else text
+    except (OSError, http.client.HTTPException) as e:
+        return None, f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+
+
+def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], timeout: float,
+                slots: threading.Semaphore) -> None:  # fmt: skip
+    """Send one request, count it, print it if it failed, and free its slot."""
+    try:
+        sent = time.time()
+        status, detail = send_one(url, body, headers, timeout)
+        done = time.time()
+        if tally.record(sent, done, status, detail) and (status is None or status >= 300) \
+                and tally.first_ok_at is not None:
+            print(f"failure sent={sent:.3f} done={done:.3f} status={status} {detail[:160]}",
+                  flush=True)  # fmt: skip
+    finally:
+        slots.release()
+
+
+def pace(tally: Tally, url: str, body: bytes, headers: dict[str, str], rate: float,
+         timeout: float, in_flight: int) -> None:  # fmt: skip
+    """Start a request every 1/rate seconds, each on its own thread, whatever the earlier ones
+    are doing (open loop): a slow failure (a timeout, a refused connection after SYN retries)
+    holds one of `in_flight` slots and does not lower the rate, as it would for a client that
+    waits for each answer before the next."""
+    slots = threading.Semaphore(in_flight)
+    due = time.monotonic()
+    while tally.stopped_at is None:
+        slots.acquire()
+        threading.Thread(target=one_request, args=(tally, url, body, headers, timeout, slots),
+                         daemon=True).start()  # fmt: skip
+        due += 1.0 / rate
+        time.sleep(max(0.0, due - time.monotonic()))
+        due = max(due, time.monotonic() - 1.0 / rate)  # behind (slots full): no burst after
+
+
+def serve(tally: Tally, port: int) -> http.server.ThreadingHTTPServer:
+    """The tally's HTTP endpoint (/ready, /counts, /stop), on a thread."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/ready":
+                code, body = (200, b"ok") if tally.first_ok_at else (503, b"no 200 yet")
+            elif self.path in ("/counts", "/stop"):
+                if self.path == "/stop":
+                    tally.stop()
+                code, body = 200, json.dumps(tally.snapshot()).encode()
+            else:
+                code, body = 404, b"not found"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", required=True, help="the Service, e.g. http://10.201.0.7:8000")
+    p.add_argument("--model", required=True)
+    p.add_argument("--rate", type=float, default=10.0, help="requests a second")
+    p.add_argument("--in-flight", type=int, default=64, help="most requests open at once")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
+    p.add_argument("--port", type=int, default=8089)
+    a = p.parse_args(argv)
+    tally = Tally()
+    serve(tally, a.port)
+    headers = {"Content-Type": "application/json"}
+    if key := os.environ.get("VLLMDP_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+    body = json.dumps({"model": a.model, "prompt": "hi", "max_tokens": 1}).encode()
+    url = a.url.rstrip("/") + "/v1/completions"
+    threading.Thread(target=pace, args=(tally, url, body, headers, a.rate, a.timeout,
+                                        a.in_flight), daemon=True).start()  # fmt: skip
+    print(f"sending to {url} at {a.rate}/s, at most {a.in_flight} open", flush=True)
+    while tally.stopped_at is None:
+        time.sleep(0.2)
+    print("stopped: " + json.dumps({k: v for k, v in tally.snapshot().items()
+                                    if k not in ("failures",)}), flush=True)  # fmt: skip
+    while True:  # keep answering /counts until the pod is deleted
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
