@@ -41,6 +41,8 @@ async def test_surge_end_to_end_switches_only_once_the_new_generation_serves() -
     assert cluster_names(w) == sorted([old, new])
     assert w.status["update"]["phase"] == "Starting"
     assert (w.status["update"]["from"], w.status["phase"]) == (old, c.PHASE_SERVING)
+    old_head = w.head_pod(old)
+    assert old_head is not None
     assert routed_to(w) == old
     assert w.ray.stops == []  # the old head job is never stopped
     assert "UpdateStarted" in w.reasons()
@@ -56,6 +58,8 @@ async def test_surge_end_to_end_switches_only_once_the_new_generation_serves() -
     w.probe.completes = False  # /health answers, but no completion yet: still the old one
     await w.step(5)
     assert routed_to(w) == old and w.status["update"]["phase"] == "Starting"
+    # The old generation still served on its own head pod, whatever the new flow concluded.
+    assert w.status.get("servedHeadPod") in (None, old_head["metadata"]["uid"])
     assert w.probe.completion_calls and w.probe.completion_calls[-1].startswith(
         f"{new}-head-svc:")
 
@@ -64,6 +68,8 @@ async def test_surge_end_to_end_switches_only_once_the_new_generation_serves() -
     assert routed_to(w) == new
     assert w.status["update"]["phase"] == "Draining"
     assert w.status["servedJob"] == "demo-j00002" and w.status["rayCluster"] == new
+    new_head = w.head_pod(new)
+    assert new_head is not None and w.status["servedHeadPod"] == new_head["metadata"]["uid"]
     assert cluster_names(w) == sorted([old, new])  # the old one drains, still there
     assert "UpdateSwitched" in w.reasons()
 

@@ -108,9 +108,12 @@ async def switch(
     head = router.head_pod
     st.doc.update(servedJob=st.doc.get("headJob"), consecutiveFailures=0, rayCluster=new,
                   servedHeadPod=head["metadata"]["uid"] if head else None)  # fmt: skip
-    st.event(c.EVENT_NORMAL, c.REASON_UPDATE_SWITCHED,
-             f"The API Service routes to RayCluster {new} (head job {st.doc.get('headJob')}), "
-             f"which answered /health and one completion; {old} drains, then is deleted")
+    st.event(
+        c.EVENT_NORMAL,
+        c.REASON_UPDATE_SWITCHED,
+        f"The API Service routes to RayCluster {new} (head job {st.doc.get('headJob')}), "
+        f"which answered /health and one completion; {old} drains, then is deleted",
+    )
     message = f"Serving {model} with DP={dp} from RayCluster {new}; {old} drains"
     st.cond(c.COND_READY, True, c.REASON_HEALTHY, message)
     st.phase(c.PHASE_SERVING, message)
@@ -186,8 +189,10 @@ async def apply_step(
         for job in _live(jobs):
             if _labels(job).get(c.LABEL_CLUSTER) == name:
                 await kube.delete(RAYJOB, ns, job["metadata"]["name"])
-    return ([cl for cl in clusters if cl["metadata"]["name"] not in gone],
-            [j for j in jobs if _labels(j).get(c.LABEL_CLUSTER) not in gone])
+    return (
+        [cl for cl in clusters if cl["metadata"]["name"] not in gone],
+        [j for j in jobs if _labels(j).get(c.LABEL_CLUSTER) not in gone],
+    )
 
 
 async def router_of(
@@ -229,8 +234,10 @@ async def hold(
         since = health.failing_since or st.now
         if health.ok:
             decision = True
-        elif (health.failures >= cfg.unroute_after_failures
-                and (st.now - since).total_seconds() >= cfg.unroute_after_seconds):
+        elif (
+            health.failures >= cfg.unroute_after_failures
+            and (st.now - since).total_seconds() >= cfg.unroute_after_seconds
+        ):
             decision = False  # fmt: skip
     routed = await router.route(decision)
     record = st.doc.get("update")
