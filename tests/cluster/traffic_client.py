@@ -50,8 +50,10 @@ class Tally:
         self.failed = 0
         self.before_first_ok = 0  # failures before the first 200: the client's own start
         self.failures: list[dict[str, Any]] = []
-        self.outages: list[dict[str, Any]] = []  # runs of failures, each ended by a success
-        self._open: dict[str, Any] | None = None
+        # Every counted request as (sent, done, good): outages are runs in the order requests
+        # were *sent*. In an open loop answers come back out of order (a timeout lands seconds
+        # after later successes), and grouping by answer would split one outage into many.
+        self._requests: list[tuple[float, float, bool]] = []
 
     def record(self, sent: float, done: float, status: int | None, detail: str) -> bool:
         """Count one request (status None: no HTTP answer); False once stopped."""
@@ -64,20 +66,14 @@ class Tally:
                     self.before_first_ok += 1
                     return True
                 self.first_ok_at = done
+            self._requests.append((sent, done, good))
             if good:
                 self.ok += 1
-                if self._open is not None:
-                    self._open["to"] = done
-                    self.outages.append(self._open)
-                    self._open = None
                 return True
             self.failed += 1
             if len(self.failures) < KEEP_FAILURES:
                 self.failures.append({"sent": round(sent, 3), "done": round(done, 3),
                                       "status": status, "detail": detail[:200]})  # fmt: skip
-            if self._open is None:
-                self._open = {"from": sent, "to": None, "failed": 0}
-            self._open["failed"] += 1
             return True
 
     def stop(self) -> None:
@@ -92,13 +88,31 @@ class Tally:
             end = self.stopped_at or time.time()
             span = end - self.first_ok_at if self.first_ok_at else 0.0
             total = self.ok + self.failed
-            outages = [*self.outages, *([dict(self._open)] if self._open else [])]
+            outages = _outages(self._requests)
             return {"started_at": self.started_at, "first_ok_at": self.first_ok_at,
                     "stopped_at": self.stopped_at, "counting_s": round(span, 3),
                     "total": total, "ok": self.ok, "failed": self.failed,
                     "rate": round(total / span, 2) if span > 0 else 0.0,
                     "before_first_ok": self.before_first_ok,
                     "failures": list(self.failures), "outages": outages}  # fmt: skip
+
+
+def _outages(requests: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:
+    """Runs of failed requests in the order they were sent, each from its first failure's send
+    to the answer of the next request sent that succeeded (None while none has)."""
+    runs: list[dict[str, Any]] = []
+    open_: dict[str, Any] | None = None
+    for sent, done, good in sorted(requests):
+        if good:
+            if open_ is not None:
+                open_["to"] = done
+                runs.append(open_)
+                open_ = None
+        else:
+            if open_ is None:
+                open_ = {"from": sent, "to": None, "failed": 0}
+            open_["failed"] += 1
+    return runs + ([open_] if open_ is not None else [])
 
 
 def send_one(url: str, body: bytes, headers: dict[str, str],

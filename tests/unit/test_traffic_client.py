@@ -181,3 +181,15 @@ def test_tally_keeps_an_open_outage_and_caps_kept_failures() -> None:
     t.stop()
     assert t.record(999.0, 999.1, 500, "") is False
     assert t.snapshot()["failed"] == 250
+
+
+def test_a_timeout_answered_after_later_successes_stays_in_its_outage() -> None:
+    t = Tally()
+    t.record(0.0, 0.1, 200, "")
+    for i in range(5):  # the outage: refused at once
+        t.record(1.0 + i * 0.1, 1.0 + i * 0.1, None, "refused")
+    t.record(1.5, 6.5, None, "timed out")  # sent in the outage, answered 5 s later
+    for i in range(10):  # routed again from 1.6 on
+        t.record(1.6 + i * 0.1, 1.7 + i * 0.1, 200, "")
+    outages = t.snapshot()["outages"]
+    assert outages == [{"from": 1.0, "to": 1.7, "failed": 6}], outages
