@@ -34,12 +34,12 @@ def launch_command(job: dict[str, Any]) -> list[str]:
     return list(plan["command"])
 
 
-def run_operator(testbed: Any, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[OperatorProcess]:  # fmt: skip
+def run_operator(testbed: Any, tmp_path_factory: pytest.TempPathFactory,
+                 extra_env: dict[str, str] | None = None) -> Iterator[OperatorProcess]:  # fmt: skip
     """The body of a module's `operator` fixture: one kopf process for the module's tests."""
     install_crd(testbed)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    proc = OperatorProcess(testbed.env(), log)
+    proc = OperatorProcess(testbed.env(), log, extra_env)
     proc.start()
     yield proc
     proc.stop()
@@ -123,13 +123,18 @@ def api_endpoints(testbed: Any, ns: str, name: str) -> list[str]:
                   for a in e["addresses"])  # fmt: skip
 
 
-def ray_api(pod_ip: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    """Call the Ray job API double at a pod IP (routed into the pod network from here)."""
+def pod_api(pod_ip: str, port: int, method: str, path: str, body: Any = None) -> Any:
+    """Call a double's JSON API at a pod IP (routed into the pod network from here)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://{pod_ip}:8265{path}", data=data, method=method,
+    req = urllib.request.Request(f"http://{pod_ip}:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=5) as resp:
-        return json.loads(resp.read())
+        return json.loads(resp.read() or b"null")
+
+
+def ray_api(pod_ip: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    """Call the Ray job API double at a pod IP."""
+    return pod_api(pod_ip, 8265, method, path, body)
 
 
 def wait_head_job(testbed: Any, ns: str, name: str, job: str, timeout: float = 90) -> None:

@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio import client, config
-from operator_proc import OperatorProcess, install_crd
+from operator_proc import OperatorProcess
+from scenario import run_operator
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.controller.kube import RAYCLUSTER, VDP, ApiKube
 
@@ -48,11 +49,7 @@ REST = 30
 @pytest.fixture(scope="module")
 def rest_operator(testbed: Any, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[OperatorProcess]:  # fmt: skip
-    install_crd(testbed)
-    proc = OperatorProcess(testbed.env(), tmp_path_factory.mktemp("op") / "operator.log", QUIET)
-    proc.start()
-    yield proc
-    proc.stop()
+    yield from run_operator(testbed, tmp_path_factory, QUIET)
 
 
 def _writes(testbed: Any, identity: str, since: datetime) -> list[str]:

@@ -11,9 +11,7 @@ long as the test says.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +24,7 @@ from scenario import (
     example,
     head_pod,
     items,
+    pod_api,
     run_operator,
     status,
     wait_phase,
@@ -46,12 +45,8 @@ def ns(testbed_namespace: str) -> str:
 
 
 def engine(pod_ip: str, method: str, path: str, body: Any = None) -> Any:
-    """Call the vLLM double at a pod IP (routed into the pod network from here)."""
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://{pod_ip}:8000{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return json.loads(resp.read() or b"null")
+    """Call the vLLM double at a pod IP."""
+    return pod_api(pod_ip, 8000, method, path, body)
 
 
 def live_clusters(testbed: Any, ns: str) -> list[str]:
