@@ -321,7 +321,8 @@ async def reconcile(
                                       st, route, shadow is not None)  # fmt: skip
     if shadow is not None and step.record is not None:
         await surge.after_candidate(st, shadow, router, step.record, probes, target, cfg, plan,
-                                    res.status.get("servedJob"), res.status.get("servedHeadPod"))
+                                    res.status.get("servedJob"), res.status.get("servedHeadPod"),
+                                    spec.update.drain_seconds)  # fmt: skip
     return st.outcome()
 
 

@@ -99,9 +99,12 @@ def completion_ok(probes: EngineProbes, target: Target | None) -> tuple[bool, st
 
 
 async def switch(
-    st: StatusDoc, router: Router, record: dict[str, Any], model: str, dp: int
-) -> None:
-    """Route to the new generation's head and start the old one's drain."""
+    st: StatusDoc, router: Router, record: dict[str, Any], model: str, dp: int,
+    drain_seconds: int,
+) -> None:  # fmt: skip
+    """Route to the new generation's head and start the old one's drain. The drain's end is
+    a time-based step: this reconcile asks for the wake (the status write that records the
+    switch is the operator's own, and wakes nothing)."""
     await router.route(True)
     new, old = record["to"], record["from"]
     st.doc["update"] = switched(record, st.now)
@@ -117,6 +120,7 @@ async def switch(
     message = f"Serving {model} with DP={dp} from RayCluster {new}; {old} drains"
     st.cond(c.COND_READY, True, c.REASON_HEALTHY, message)
     st.phase(c.PHASE_SERVING, message)
+    st.recheck(drain_seconds + 1)  # +1: timestamps are whole seconds
 
 
 def overlay_starting(st: StatusDoc, record: dict[str, Any], served_job: str | None,
@@ -250,7 +254,7 @@ async def hold(
 async def after_candidate(
     st: StatusDoc, shadow: Shadow, router: Router, record: dict[str, Any],
     probes: EngineProbes, target: Target | None, cfg: Config, plan: Plan, served: str | None,
-    served_head: str | None = None,
+    served_head: str | None, drain_seconds: int,
 ) -> None:  # fmt: skip
     """Switch to the new generation once it serves; else say that the old one still does."""
     if not shadow.asked:
@@ -261,7 +265,7 @@ async def after_candidate(
     else:
         ok, why = completion_ok(probes, target)
     if ok:
-        await switch(st, router, record, plan.model, plan.data_parallel_size)
+        await switch(st, router, record, plan.model, plan.data_parallel_size, drain_seconds)
         return
     overlay_starting(st, record, served, f"/health answers; one completion: {why}",
                      served_head)  # fmt: skip
