@@ -40,6 +40,7 @@ from .vdp import API_PORT, Vdp, http, http_status, import_engine, own_namespace
 # isort: split
 # tests/testbed is on sys.path once .vdp is imported.
 import operatorchart
+from common import kubectl_table
 from promlib import Prometheus, file_sd, pod_targets, scrape_config_from_pod_monitor
 
 pytestmark = pytest.mark.cluster
@@ -297,8 +298,7 @@ class Load:
 
 def vdp_columns(vdp: Vdp) -> dict[str, str]:
     """`kubectl get vdp NAME` as header -> value."""
-    head, row = vdp.cluster.kubectl("get", "vdp", vdp.name, "-n", vdp.ns).stdout.splitlines()[:2]
-    return dict(zip(head.split(), row.split(), strict=False))
+    return kubectl_table(vdp.cluster.kubectl("get", "vdp", vdp.name, "-n", vdp.ns).stdout)[0]
 
 
 def test_prometheus_scrapes_vllm_and_status_load_follows(

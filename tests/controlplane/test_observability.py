@@ -37,6 +37,7 @@ from scenario import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
 sys.path.append(str(Path(__file__).resolve().parents[1] / "testbed"))  # promlib
 import chartlib
+from common import kubectl_table
 from promlib import Prometheus, file_sd, free_port, pod_targets, scrape_config_from_pod_monitor
 
 pytestmark = pytest.mark.controlplane
@@ -249,9 +250,8 @@ def test_prometheus_scrapes_operator_and_engines_status_and_events(
         assert "engines" not in st and "requestsRunning" not in st
         cond = next(x for x in st["conditions"] if x["type"] == "EnginesReporting")
         assert cond["status"] == "True" and cond["reason"] == "AllRanksReporting"
-        table = testbed.kubectl("-n", ns, "get", "vdp", NAME).stdout.splitlines()
-        header, row = table[0].split(), table[1].split()
-        assert dict(zip(header, row, strict=False))["LOAD"] == "Saturated", table
+        table = kubectl_table(testbed.kubectl("-n", ns, "get", "vdp", NAME).stdout)
+        assert table[0]["LOAD"] == "Saturated" and table[0]["UPDATE"] == "", table
 
         # Events: one per transition, a chain with no gap and no repeat; then, steady, none.
         chain = ["New -> Provisioning", "Provisioning -> Launching", "Launching -> Serving"]

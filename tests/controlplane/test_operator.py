@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from common import kubectl_table
 from operator_proc import OperatorProcess
 from scenario import (
     REPO,
@@ -79,10 +80,11 @@ def test_example_becomes_cluster_pods_head_job_and_service(
     assert st["endpoint"] == f"http://{name}-api.{ns}.svc:8000/v1"
     conds = {c["type"]: c["status"] for c in st["conditions"]}
     assert conds["SpecValid"] == "True" and conds["ClusterReady"] == "True"
-    table = testbed.kubectl("-n", ns, "get", "vdp", name).stdout.split("\n")
-    assert table[0].split() == ["NAME", "DP", "TP", "PODS", "PHASE", "LOAD", "ENDPOINT",
-                                "AGE"]  # fmt: skip
-    assert table[1].split()[1:5] == ["8", "1", "2", "Launching"]
+    [row] = kubectl_table(testbed.kubectl("-n", ns, "get", "vdp", name).stdout)
+    assert list(row) == ["NAME", "DP", "TP", "PODS", "PHASE", "UPDATE", "LOAD", "ENDPOINT",
+                         "AGE"]  # fmt: skip
+    assert [row[k] for k in ("DP", "TP", "PODS", "PHASE", "UPDATE")] == ["8", "1", "2",
+                                                                        "Launching", ""]
 
 
 def test_too_many_gpus_stays_pending_with_actionable_status(

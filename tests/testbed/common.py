@@ -103,6 +103,21 @@ def http_get(url: str, token: str | None = None, timeout: float = 2.0) -> tuple[
         return 0, str(e)
 
 
+def kubectl_table(text: str) -> list[dict[str, str]]:
+    """`kubectl get`'s table as one header -> value dict per row. Columns are cut where their
+    headers start, so an empty cell (an UPDATE column with no update) reads as "" and shifts
+    nothing."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        return []
+    header = lines[0]
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    names = [header[a:b].strip() for a, b in bounds]
+    return [{n: row[a:b].strip() for n, (a, b) in zip(names, bounds, strict=True)}
+            for row in lines[1:]]  # fmt: skip
+
+
 def log_tail(logfile: Path | None, chars: int = 4000) -> str:
     if logfile and logfile.exists():
         return logfile.read_text(errors="replace")[-chars:]
