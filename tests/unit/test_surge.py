@@ -102,9 +102,13 @@ async def test_a_new_generation_that_never_serves_is_deleted_and_not_retried() -
     assert cluster_names(w) == [old]
     assert routed_to(w) == old and w.status["phase"] == c.PHASE_SERVING
     assert "update" not in w.status and w.status["failedUpdate"]
-    assert ("Warning", "UpdateFailed") in [(t, r) for t, r, _ in w.events]
+    [failed] = [m for t, r, m in w.events if (t, r) == ("Warning", "UpdateFailed")]
     updated = {x["type"]: x for x in w.status["conditions"]}[c.COND_UPDATED]
     assert (updated["status"], updated["reason"]) == ("False", "UpdateFailed")
+    # Both say why: the deadline, and what the new generation last did (its /health down).
+    for said in (failed, updated["message"]):
+        assert "spec.launch.timeoutSeconds" in said and "Last seen of it: " in said, said
+        assert "/health" in said.split("Last seen of it: ")[1], said
     assert "demo-j00001" in w.job_names() and "demo-j00002" not in w.job_names()
     for _ in range(3):  # no retry loop: the same spec starts nothing again
         await w.step(600)

@@ -148,6 +148,13 @@ def overlay_hold(st: StatusDoc, cluster: str, served_job: str | None, routed: bo
         st.phase(c.PHASE_LAUNCHING, message)
 
 
+def _candidate_detail(status: dict[str, Any]) -> str:
+    """What the new generation's flow last said, from overlay_starting's message."""
+    message = str(status.get("message") or "")
+    _, sep, detail = message.partition(f"updating to {(status.get('update') or {}).get('to')}: ")
+    return detail if sep else ""
+
+
 def decide_step(
     res: Resource, spec: VLLMDataParallelSpec, plan: Plan, desired: Obj, clusters: list[Obj],
     jobs: list[Obj], st: StatusDoc,
@@ -169,11 +176,17 @@ def decide_step(
     live = {cl["metadata"]["name"]: shape_of(cl, rendered, shape) for cl in _live(clusters)}
     step = decide(want, serving, live, status.get("update"), status.get("failedUpdate"), st.now)
     st.doc.update(update=step.record, failedUpdate=step.failed)
+    # A failed update says what its generation last did (the message the previous reconcile
+    # wrote while it came up: its head job failing, its /health unanswered).
+    last = _candidate_detail(status) if step.failed != status.get("failedUpdate") else ""
+    seen = f". Last seen of it: {last}" if last else ""
     for type_, reason, message in step.events:
-        st.event(type_, reason, message)
+        st.event(type_, reason, message + seen if reason == c.REASON_UPDATE_FAILED else message)
     known = condition_status(st.doc["conditions"], c.COND_UPDATED) is not None
     if step.updated is not None and (strategy == UpdateStrategy.SURGE or known):
-        st.cond(c.COND_UPDATED, *step.updated)
+        ok, reason, message = step.updated
+        st.cond(c.COND_UPDATED, ok, reason,
+                message + seen if reason == c.REASON_UPDATE_FAILED else message)  # fmt: skip
     if step.recheck is not None:
         st.recheck(step.recheck)
     return step
