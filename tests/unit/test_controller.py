@@ -455,7 +455,10 @@ class EchoFirstApi(FakeApi):
 async def test_at_rest_no_news_from_kuberay_makes_no_status_patch(phase: str) -> None:
     api = EchoFirstApi()
     bed = Bed(api=api)
-    bed.probe.ok = True  # the engine test double answers /health
+    # Serving: the engine test double answers /health. Launching: it does not yet (were it
+    # to answer, the first probe would take the resource on to Serving, and Launching would
+    # be a moment this test may or may not see).
+    bed.probe.ok = phase == c.PHASE_SERVING
     bed.ctl.start()
     try:
         await bed.owner_with_cluster()  # Provisioning: its echo never reaches the controller
