@@ -2,11 +2,15 @@
 
 One pod holds the Lease and writes; the other is Ready (its caches synced and the Lease API
 answering) and waits. Deleting the leader's pod is a clean shutdown: it releases the Lease and
-the standby leads at once, without waiting out the 15 s lease.
+another pod leads at once, without waiting out the 15 s lease. That is the standby, or the
+ReplicaSet's replacement when it asks first: it starts while the old leader shuts down, and
+polls the released Lease like the standby does (whoever leads reconciles only from a full
+cache).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -50,7 +54,10 @@ def test_two_ready_replicas_one_leader_and_a_clean_handover(operator: RunningClu
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{operator_logs(cluster)}") from exc
     took = time.monotonic() - start
-    assert new.rsplit("_", 1)[0] == standby, (new, standby)
+    assert new.rsplit("_", 1)[0] != leader, (new, leader)
+    if new.rsplit("_", 1)[0] != standby:
+        sys.stderr.write(f"[ha] the replacement pod led first ({new}), not the standby "
+                         f"({standby})\n")
     # Released on shutdown: well under the 15 s a crashed leader's lease takes to expire.
     assert took < 10, f"handover took {took:.1f}s\n{operator_logs(cluster)}"
     # The ReplicaSet's replacement becomes the new standby.
