@@ -15,7 +15,13 @@ deleted. What the scenarios assert:
   (ii) the API server down for 30 s: 0 failed requests each, the same head job `Serving`
   afterwards;
 - F. the head pod deleted: its endpoint leaves the slice within seconds, a relaunch serves
-  again; the client's outage is measured (the one outage allowed).
+  again; the client's outage is measured (the one outage allowed);
+- C. an engine change (`--max-model-len`) under `spec.update.strategy: Surge`: 0 failed
+  requests, the slice never without a ready endpoint, on the old head until it moves to the
+  new one, the old RayCluster gone afterwards; the time from apply to switch is reported;
+- E. a Surge whose new engines never serve (a model path that does not exist): 0 failed
+  requests, the old generation routed throughout, the new one deleted at its deadline, and
+  status and a Warning Event that say why.
 
 Each scenario's line (failed/total, rate, outage) is printed at the end of the module, for
 docs/benchmarks.md.
@@ -33,7 +39,7 @@ from vllm_dp_operator.constants import HEAD_CONTAINER
 
 from .bed import RunningCluster
 from .podfaults import container_pid, dropped, sigkill
-from .timeline import SERVING, RouteWatch, route_watch, stage_times
+from .timeline import READY, READY_BY_ADDRESS, SERVING, RouteWatch, route_watch, stage_times
 from .traffic import Traffic
 from .vdp import (
     API_PORT,
@@ -55,16 +61,19 @@ MODEL = "double"
 MIN_RATE = 5.0
 
 
-def resource(ns: str) -> dict[str, Any]:
+def resource(ns: str, **over: Any) -> dict[str, Any]:
+    """The shared deployment, with `over` on top of its spec (C's and E's changes)."""
+    spec = {"model": "cluster/double-model", "servedModelName": MODEL, "image": f"{IMAGE}:dev",
+            "dataParallel": {"size": 2, "ranksPerNode": 1}, "apiServerCount": 1,
+            # No CPU asked: the double uses next to none, and a Surge's second generation
+            # must fit beside the first on the bed's two nodes (each has the host's 2 cores).
+            "resources": {"memory": "1Gi"}, "shmSize": "64Mi",
+            "env": [{"name": "VLLMDP_DOUBLE_PLACE", "value": "1"}],
+            "launch": {"timeoutSeconds": 300, "drainSeconds": 3},
+            # Surge from the start: A, B and F change no spec, so it matters only to C and E.
+            "update": {"strategy": "Surge", "drainSeconds": 10}}  # fmt: skip
     return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
-            "metadata": {"name": NAME, "namespace": ns},
-            "spec": {"model": "cluster/double-model", "servedModelName": MODEL,
-                     "image": f"{IMAGE}:dev", "dataParallel": {"size": 2, "ranksPerNode": 1},
-                     # As in test_operator_double: 1 CPU a pod, 2 on the head.
-                     "apiServerCount": 1, "resources": {"cpu": "1", "memory": "1Gi"},
-                     "shmSize": "64Mi",
-                     "env": [{"name": "VLLMDP_DOUBLE_PLACE", "value": "1"}],
-                     "launch": {"timeoutSeconds": 300, "drainSeconds": 3}}}  # fmt: skip
+            "metadata": {"name": NAME, "namespace": ns}, "spec": {**spec, **over}}
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +122,9 @@ def revive_bed(cluster: RunningCluster) -> list[str]:
     return list(faults.revive(cluster.state_dir))
 
 
-def slice_watch(vdp: Vdp) -> RouteWatch:
+def slice_watch(vdp: Vdp, fields: str = READY) -> RouteWatch:
     kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
-    return route_watch(kubectl, vdp.ns, f"{NAME}-api")
+    return route_watch(kubectl, vdp.ns, f"{NAME}-api", fields)
 
 
 def unready_seen(watch: RouteWatch, after: float = 0.0) -> list[tuple[float, str]]:
@@ -329,3 +338,107 @@ def test_f_head_pod_deleted_stops_routing_then_serves_again(
     assert all(o["to"] is not None for o in res["outages"]), why
     assert len(res["outages"]) <= 1, f"more than the one outage\n{why}"
     assert st["phase"] == "Serving" and res["ok"] > 0, why
+
+
+def live_clusters(vdp: Vdp) -> list[str]:
+    items = vdp.cluster.kubectl_json("get", "rayclusters", "-n", vdp.ns)["items"]
+    return sorted(cl["metadata"]["name"] for cl in items
+                  if not cl["metadata"].get("deletionTimestamp"))  # fmt: skip
+
+
+def ready_addresses(state: str) -> set[str]:
+    """The ready endpoints' addresses in one line of a READY_BY_ADDRESS watch (the operator
+    writes `ready` on every endpoint, so the two lists line up)."""
+    addresses, _, ready = state.partition("|")
+    return {a for a, r in zip(addresses.split(), ready.split(), strict=False) if r == "true"}
+
+
+def events(vdp: Vdp, reason: str) -> list[dict[str, Any]]:
+    items = vdp.cluster.kubectl_json("get", "events", "-n", vdp.ns)["items"]
+    return [e for e in items if e.get("reason") == reason]
+
+
+def test_c_surge_switches_with_no_failed_request(vdp: Vdp, report: dict[str, str]) -> None:
+    if revived := revive_bed(vdp.cluster):
+        report["bed before C"] = f"started again: {', '.join(revived)}"
+    st = vdp.wait_phase("Serving", 300)
+    old, job = st["rayCluster"], st["headJob"]
+    old_ip = vdp.pods()["head"]["status"]["podIP"]
+    watch = slice_watch(vdp, READY_BY_ADDRESS)
+    try:
+        with traffic(vdp, "c") as t:
+            vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
+            applied = time.time()
+            vdp.cluster.apply(resource(vdp.ns, engineArgs=["--max-model-len=4096"]))
+            new = vdp.wait("status.update Starting", lambda: (
+                u := vdp.status().get("update") or {}).get("phase") == "Starting" and u["to"],
+                60)  # fmt: skip
+            assert new != old
+            switched_at = vdp.wait("the slice routed to another head than the old", lambda: next(
+                (at for at, s in watch.seen if at >= applied and ready_addresses(s) - {old_ip}),
+                None), 600)  # fmt: skip
+            vdp.wait("the old RayCluster gone after its drain",
+                     lambda: live_clusters(vdp) == [new], 120)  # fmt: skip
+            vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
+            time.sleep(5)  # the new generation alone, with traffic flowing
+    finally:
+        watch.stop()
+    st = vdp.status()
+    report["C Surge engine change"] = (f"{t.summary()}; apply to switch "
+                                       f"{switched_at - applied:.1f}s; {old} -> {new}")
+    assert_no_failures(t, vdp, "C")
+    after = [(at, s) for at, s in watch.seen if at >= applied]
+    assert all(ready_addresses(s) for _, s in after), f"the slice had no ready endpoint: {after}"
+    before = [s for at, s in after if at < switched_at]
+    assert all(ready_addresses(s) == {old_ip} for s in before), after
+    assert (st["phase"], st["rayCluster"]) == ("Serving", new) and st["headJob"] != job, st
+    new_ip = vdp.pods()["head"]["status"]["podIP"]
+    assert ready_addresses(watch.seen[-1][1]) == {new_ip}, watch.seen[-3:]
+    argv = " ".join(vdp.from_pod(f"http://{vdp.service_ip()}:{API_PORT}/double/argv")["argv"])
+    assert "--max-model-len=4096" in argv or "--max-model-len 4096" in argv, argv
+    for reason in ("UpdateStarted", "UpdateSwitched", "UpdateDone"):
+        assert events(vdp, reason), reason
+
+
+def test_e_surge_that_never_serves_leaves_the_old_serving(
+        vdp: Vdp, report: dict[str, str]) -> None:  # fmt: skip
+    st = vdp.wait_phase("Serving", 300)
+    vdp.wait("no update in progress", lambda: "update" not in vdp.status(), 120)
+    st = vdp.status()
+    old, job = st["rayCluster"], st["headJob"]
+    old_ip = vdp.pods()["head"]["status"]["podIP"]
+    spec = vdp.get()["spec"]
+    watch = slice_watch(vdp, READY_BY_ADDRESS)
+    try:
+        with traffic(vdp, "e") as t:
+            vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
+            applied = time.time()
+            # A model path with nothing there: `vllm serve` exits at once, every launch.
+            vdp.cluster.apply(resource(vdp.ns, engineArgs=spec.get("engineArgs") or [],
+                                       model="/models/does-not-exist",
+                                       launch={"timeoutSeconds": 90, "drainSeconds": 3}))
+            new = vdp.wait("status.update Starting", lambda: (
+                u := vdp.status().get("update") or {}).get("phase") == "Starting" and u["to"],
+                60)  # fmt: skip
+            failed = vdp.wait("a Warning UpdateFailed", lambda: [
+                e for e in events(vdp, "UpdateFailed") if e.get("type") == "Warning"], 240)
+            vdp.wait("the failed generation removed", lambda: live_clusters(vdp) == [old], 120)
+            time.sleep(10)  # no retry: the same spec starts nothing again
+    finally:
+        watch.stop()
+    st = vdp.status()
+    report["E Surge that never serves"] = (f"{t.summary()}; UpdateFailed "
+                                           f"{time.time() - applied:.0f}s after the apply")
+    assert_no_failures(t, vdp, "E")
+    assert all(ready_addresses(s) == {old_ip} for at, s in watch.seen if at >= applied), \
+        watch.seen  # fmt: skip
+    assert (st["phase"], st["rayCluster"], st["headJob"]) == ("Serving", old, job), st
+    assert "update" not in st and st.get("failedUpdate"), st
+    cond = {c["type"]: c for c in st["conditions"]}["Updated"]
+    assert (cond["status"], cond["reason"]) == ("False", "UpdateFailed"), cond
+    message = failed[-1]["message"]
+    assert new in message and "spec.launch.timeoutSeconds" in message, message
+    assert "Last seen of it: " in message, message  # what the new generation last did
+    assert new in cond["message"], cond
+    assert live_clusters(vdp) == [old]
+    assert len(events(vdp, "UpdateStarted")) >= 1

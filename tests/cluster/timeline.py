@@ -60,11 +60,20 @@ class RouteWatch:
             self.proc.wait(timeout=10)
 
 
-def route_watch(kubectl: list[str], ns: str, name: str) -> RouteWatch:
-    """Watch `name`'s readiness (it may not exist yet: a field selector lists none then)."""
+#: A watch line of each endpoint's readiness: `true false`.
+READY = "{.endpoints[*].conditions.ready}"
+#: A watch line of the endpoints' addresses, then their readiness in the same order:
+#: `10.0.1.5 10.0.2.7|true false` (a `{range}` template ends `kubectl get --watch` after its
+#: first line).
+READY_BY_ADDRESS = "{.endpoints[*].addresses[0]}|{.endpoints[*].conditions.ready}"
+
+
+def route_watch(kubectl: list[str], ns: str, name: str, fields: str = READY) -> RouteWatch:
+    """Watch `name`'s endpoints, one line per change in the form of `fields` (a jsonpath);
+    the slice may not exist yet: a field selector lists none then."""
     return RouteWatch([*kubectl, "get", "endpointslices", "-n", ns, "--watch",
                        f"--field-selector=metadata.name={name}", "-o",
-                       "jsonpath={.endpoints[*].conditions.ready}{\"\\n\"}"]).start()  # fmt: skip
+                       f"jsonpath={fields}{{\"\\n\"}}"]).start()  # fmt: skip
 
 
 def stage_times(log: str, job: str) -> dict[str, float]:

@@ -46,6 +46,10 @@ def client_manifests(name: str, ns: str, image: str, url: str, model: str, rate:
     spec: dict[str, Any] = {
         "containers": [container], "restartPolicy": "Never",
         "terminationGracePeriodSeconds": 1,
+        # Pod Security `restricted`, as the vLLM CPU scenarios' namespace enforces: the
+        # engine images' own non-root user (engine_image/Dockerfile).
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 2000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "volumes": [{"name": "script", "configMap": {"name": name}}],
     }  # fmt: skip
     if node:

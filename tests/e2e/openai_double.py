@@ -11,6 +11,9 @@ launcher asked for (reachable through the Service):
 - GET /metrics: the double's own per-engine series (vLLM's names and labels, idle ranks);
 - GET /double/argv: the argv it was started with (what the e2e test asserts on).
 
+A model given as an absolute path that does not exist ends it at once with exit code 1, as
+`vllm serve` ends when it finds no model there: a generation that never serves.
+
 SIGTERM/SIGINT go to the double; the wrapper exits with the double's exit code. Test-only,
 standard library only; never published.
 """
@@ -70,6 +73,10 @@ MODEL = ARGV[1] if len(ARGV) > 1 and ARGV[0] == "serve" else "unknown"
 SERVED = flag_values(ARGV, "--served-model-name") or [MODEL]
 HOST = (flag_values(ARGV, "--host") or ["0.0.0.0"])[0]
 PORT = int((flag_values(ARGV, "--port") or ["8000"])[0])
+if MODEL.startswith("/") and not os.path.exists(MODEL):
+    print(f"ValueError: no model at {MODEL!r}: not a directory, and not a model id",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
 INNER = free_port()
 os.environ.setdefault("VLLMDP_DOUBLE_RECORD", "/tmp/vllm-double.jsonl")
 child = subprocess.Popen([sys.executable, RECORDER, *replace_flag(ARGV, "--port", str(INNER))])
