@@ -22,6 +22,9 @@ from .bed import RunningCluster, testbed_cli
 # scenarios next, the check that `down` leaves nothing last.
 FIRST = ("test_realnodes_bed.py",)
 LAST = ("test_realnodes_down.py",)
+#: Nodes the bed starts with: a Surge of examples/dev-cpu.yaml puts its second head (2 CPUs,
+#: a node's all) on a third node, beside the serving generation's two.
+NODES = 3
 
 
 def _in_ci() -> bool:
@@ -53,7 +56,7 @@ def cluster() -> Iterator[RunningCluster]:
     if testbed_cli("status", timeout=60).returncode != 0:
         if shutil.which("go") is None and testbed_cli("cached", timeout=60).returncode != 0:
             _bail("real-node test bed: no Go toolchain and no cached binaries", skippable=True)
-        up = testbed_cli("up", timeout=3 * 3600)
+        up = testbed_cli("up", "--nodes", str(NODES), timeout=3 * 3600)
         sys.stderr.write(up.stdout[-6000:])
         if up.returncode != 0:
             _bail(f"real-node test bed: `cluster up` failed (rc={up.returncode}):\n"

@@ -35,6 +35,7 @@ import yaml
 
 from . import bed, timeline
 from .bed import REPO, RunningCluster
+from .traffic import Traffic
 from .vdp import API_PORT, Vdp, http, http_status, import_engine, own_namespace
 
 # isort: split
@@ -444,6 +445,55 @@ def test_worker_pod_killed_relaunches_with_backoff(vdp: Vdp) -> None:
 def created_at(vdp: Vdp, job: str) -> float:
     created = vdp.rayjob(job)["metadata"]["creationTimestamp"]  # type: ignore[index]
     return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+
+
+def live_clusters(vdp: Vdp) -> list[str]:
+    items = vdp.cluster.kubectl_json("get", "rayclusters", "-n", vdp.ns)["items"]
+    return sorted(cl["metadata"]["name"] for cl in items
+                  if not cl["metadata"].get("deletionTimestamp"))  # fmt: skip
+
+
+def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
+    """Issue 17's scenario D: an engine change under `Surge` on real vLLM CPU engines. A
+    second DP=2 generation comes up beside the one that serves (the bed has a third node for
+    its head), the Service moves once it answers, and a client in a pod that kept calling the
+    Service the whole time counts no failure."""
+    nodes = len(vdp.cluster.node_names)
+    assert nodes >= 3, (f"a Surge of examples/dev-cpu.yaml needs 3 nodes (its head takes a "
+                        f"node's 2 CPUs); this bed has {nodes}: `make cluster-up NODES=3`")
+    st = vdp.wait_phase("Serving", 600)
+    old, job = st["rayCluster"], st["headJob"]
+    doc = example(vdp.ns, max_model_len=192)
+    doc["spec"]["update"] = {"strategy": "Surge", "drainSeconds": 10}
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+    # It asks 10 a second: the client pod asks no CPU (the nodes are the Ray pods'), and
+    # while a second generation boots on 2 cores it sends fewer than it asks.
+    with Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="traffic-d", rate=10,
+                 api_key_secret=("api-key", "key")) as t:  # fmt: skip
+        applied = time.time()
+        vdp.cluster.apply(doc)
+        new = vdp.wait("status.update Starting", lambda: (
+            u := vdp.status().get("update") or {}).get("phase") == "Starting" and u["to"],
+            120)  # fmt: skip
+        assert new != old
+        vdp.wait("the switch to the new generation", lambda: vdp.status().get(
+            "rayCluster") == new, 900)  # fmt: skip
+        switched = time.time()
+        vdp.wait("the old RayCluster gone after its drain", lambda: live_clusters(vdp) == [new],
+                 180)  # fmt: skip
+        vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
+        time.sleep(5)  # the new generation alone, with traffic flowing
+    res = t.result
+    note(f"D Surge to --max-model-len=192 on real vLLM: {t.summary()}; apply to switch "
+         f"{switched - applied:.0f}s; {old} -> {new}")  # fmt: skip
+    why = (f"{t.summary()}\nfirst failures: {json.dumps(res['failures'][:15], indent=1)}\n"
+           f"--- traffic client log\n{t.logs()}\n{vdp.diagnostics()}")  # fmt: skip
+    assert res["failed"] == 0 and res["rate"] >= 5, why
+    st = vdp.status()
+    assert (st["phase"], st["rayCluster"]) == ("Serving", new) and st["headJob"] != job, st
+    models = http(f"{url}/v1/models", headers=AUTH)
+    assert models["data"][0]["max_model_len"] == 192, models
+    assert completion(url, http)["object"] == "text_completion"
 
 
 def test_delete_removes_everything(vdp: Vdp) -> None:
