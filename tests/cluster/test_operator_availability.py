@@ -39,7 +39,15 @@ from vllm_dp_operator.constants import HEAD_CONTAINER
 
 from .bed import RunningCluster
 from .podfaults import container_pid, dropped, sigkill
-from .timeline import READY, READY_BY_ADDRESS, SERVING, RouteWatch, route_watch, stage_times
+from .timeline import (
+    READY,
+    READY_BY_ADDRESS,
+    SERVING,
+    RouteWatch,
+    ready_addresses,
+    route_watch,
+    stage_times,
+)
 from .traffic import Traffic
 from .vdp import (
     API_PORT,
@@ -340,19 +348,6 @@ def test_f_head_pod_deleted_stops_routing_then_serves_again(
     assert st["phase"] == "Serving" and res["ok"] > 0, why
 
 
-def live_clusters(vdp: Vdp) -> list[str]:
-    items = vdp.cluster.kubectl_json("get", "rayclusters", "-n", vdp.ns)["items"]
-    return sorted(cl["metadata"]["name"] for cl in items
-                  if not cl["metadata"].get("deletionTimestamp"))  # fmt: skip
-
-
-def ready_addresses(state: str) -> set[str]:
-    """The ready endpoints' addresses in one line of a READY_BY_ADDRESS watch (the operator
-    writes `ready` on every endpoint, so the two lists line up)."""
-    addresses, _, ready = state.partition("|")
-    return {a for a, r in zip(addresses.split(), ready.split(), strict=False) if r == "true"}
-
-
 def events(vdp: Vdp, reason: str) -> list[dict[str, Any]]:
     items = vdp.cluster.kubectl_json("get", "events", "-n", vdp.ns)["items"]
     return [e for e in items if e.get("reason") == reason]
@@ -370,15 +365,13 @@ def test_c_surge_switches_with_no_failed_request(vdp: Vdp, report: dict[str, str
             vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
             applied = time.time()
             vdp.cluster.apply(resource(vdp.ns, engineArgs=["--max-model-len=4096"]))
-            new = vdp.wait("status.update Starting", lambda: (
-                u := vdp.status().get("update") or {}).get("phase") == "Starting" and u["to"],
-                60)  # fmt: skip
+            new = vdp.wait_update_started()
             assert new != old
             switched_at = vdp.wait("the slice routed to another head than the old", lambda: next(
                 (at for at, s in watch.seen if at >= applied and ready_addresses(s) - {old_ip}),
                 None), 600)  # fmt: skip
             vdp.wait("the old RayCluster gone after its drain",
-                     lambda: live_clusters(vdp) == [new], 120)  # fmt: skip
+                     lambda: vdp.live_clusters() == [new], 120)  # fmt: skip
             vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
             time.sleep(5)  # the new generation alone, with traffic flowing
     finally:
@@ -417,12 +410,10 @@ def test_e_surge_that_never_serves_leaves_the_old_serving(
             vdp.cluster.apply(resource(vdp.ns, engineArgs=spec.get("engineArgs") or [],
                                        model="/models/does-not-exist",
                                        launch={"timeoutSeconds": 90, "drainSeconds": 3}))
-            new = vdp.wait("status.update Starting", lambda: (
-                u := vdp.status().get("update") or {}).get("phase") == "Starting" and u["to"],
-                60)  # fmt: skip
+            new = vdp.wait_update_started()
             failed = vdp.wait("a Warning UpdateFailed", lambda: [
                 e for e in events(vdp, "UpdateFailed") if e.get("type") == "Warning"], 240)
-            vdp.wait("the failed generation removed", lambda: live_clusters(vdp) == [old], 120)
+            vdp.wait("the failed generation removed", lambda: vdp.live_clusters() == [old], 120)
             time.sleep(10)  # no retry: the same spec starts nothing again
     finally:
         watch.stop()
@@ -440,5 +431,5 @@ def test_e_surge_that_never_serves_leaves_the_old_serving(
     assert new in message and "spec.launch.timeoutSeconds" in message, message
     assert "Last seen of it: " in message, message  # what the new generation last did
     assert new in cond["message"], cond
-    assert live_clusters(vdp) == [old]
+    assert vdp.live_clusters() == [old]
     assert len(events(vdp, "UpdateStarted")) >= 1

@@ -447,12 +447,6 @@ def created_at(vdp: Vdp, job: str) -> float:
     return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
 
 
-def live_clusters(vdp: Vdp) -> list[str]:
-    items = vdp.cluster.kubectl_json("get", "rayclusters", "-n", vdp.ns)["items"]
-    return sorted(cl["metadata"]["name"] for cl in items
-                  if not cl["metadata"].get("deletionTimestamp"))  # fmt: skip
-
-
 def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     """Issue 17's scenario D: an engine change under `Surge` on real vLLM CPU engines. A
     second DP=2 generation comes up beside the one that serves (the bed has a third node for
@@ -472,14 +466,12 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
                  api_key_secret=("api-key", "key")) as t:  # fmt: skip
         applied = time.time()
         vdp.cluster.apply(doc)
-        new = vdp.wait("status.update Starting", lambda: (
-            u := vdp.status().get("update") or {}).get("phase") == "Starting" and u["to"],
-            120)  # fmt: skip
+        new = vdp.wait_update_started(120)
         assert new != old
         vdp.wait("the switch to the new generation", lambda: vdp.status().get(
             "rayCluster") == new, 900)  # fmt: skip
         switched = time.time()
-        vdp.wait("the old RayCluster gone after its drain", lambda: live_clusters(vdp) == [new],
+        vdp.wait("the old RayCluster gone after its drain", lambda: vdp.live_clusters() == [new],
                  180)  # fmt: skip
         vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
         time.sleep(5)  # the new generation alone, with traffic flowing

@@ -68,6 +68,13 @@ READY = "{.endpoints[*].conditions.ready}"
 READY_BY_ADDRESS = "{.endpoints[*].addresses[0]}|{.endpoints[*].conditions.ready}"
 
 
+def ready_addresses(state: str) -> set[str]:
+    """The ready endpoints' addresses in one line of a READY_BY_ADDRESS watch (the operator
+    writes `ready` on every endpoint, so the two lists line up)."""
+    addresses, _, ready = state.partition("|")
+    return {a for a, r in zip(addresses.split(), ready.split(), strict=False) if r == "true"}
+
+
 def route_watch(kubectl: list[str], ns: str, name: str, fields: str = READY) -> RouteWatch:
     """Watch `name`'s endpoints, one line per change in the form of `fields` (a jsonpath);
     the slice may not exist yet: a field selector lists none then."""

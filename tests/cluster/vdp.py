@@ -189,6 +189,12 @@ class Vdp:
                                     check=False)  # fmt: skip
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
+    def live_clusters(self) -> list[str]:
+        """The RayClusters in the namespace not being deleted (two while a Surge runs)."""
+        items = self.cluster.kubectl_json("get", "rayclusters", "-n", self.ns)["items"]
+        return sorted(cl["metadata"]["name"] for cl in items
+                      if not cl["metadata"].get("deletionTimestamp"))  # fmt: skip
+
     def children(self) -> list[str]:
         """Everything left in the namespace that the resource made (names by kind)."""
         out = self.cluster.kubectl("get", "rayclusters,rayjobs,services,endpointslices,pods",
@@ -243,6 +249,12 @@ class Vdp:
              interval: float = 1.0) -> Any:  # fmt: skip
         """Poll `check` until truthy; past `timeout` fail with everything that explains it."""
         return self.cluster.wait_until(what, check, timeout, interval, explain=self.diagnostics)
+
+    def wait_update_started(self, timeout: float = 60) -> str:
+        """Wait for `status.update` Starting (a Surge's new generation); its RayCluster."""
+        return str(self.wait("status.update Starting", lambda: (
+            u := self.status().get("update") or {}).get("phase") == "Starting" and u["to"],
+            timeout))  # fmt: skip
 
     def wait_phase(self, phase: str, timeout: float, job: str | None = None) -> dict[str, Any]:
         """Wait for `phase` (of head job `job`, if given, else of a job other than none)."""

@@ -131,7 +131,7 @@ def overlay_starting(st: StatusDoc, record: dict[str, Any], served_job: str | No
     detail = st.doc.get("message") or ""
     st.doc.update(rayCluster=old, headJob=served_job, servedJob=served_job,
                   servedHeadPod=served_head)  # fmt: skip
-    message = f"Serving from RayCluster {old}; updating to {new}: {detail} ({why})"
+    message = f"Serving from RayCluster {old}; {_updating_to(new)}{detail} ({why})"
     st.cond(c.COND_READY, True, c.REASON_UPDATE_IN_PROGRESS, message)
     st.phase(c.PHASE_SERVING, message)
 
@@ -148,10 +148,17 @@ def overlay_hold(st: StatusDoc, cluster: str, served_job: str | None, routed: bo
         st.phase(c.PHASE_LAUNCHING, message)
 
 
-def _candidate_detail(status: dict[str, Any]) -> str:
-    """What the new generation's flow last said, from overlay_starting's message."""
-    message = str(status.get("message") or "")
-    _, sep, detail = message.partition(f"updating to {(status.get('update') or {}).get('to')}: ")
+def _updating_to(new: str) -> str:
+    """overlay_starting's message up to the new generation's own (read back by last_seen)."""
+    return f"updating to {new}: "
+
+
+def _last_seen(status: dict[str, Any]) -> str:
+    """What the new generation's flow last said: overlay_starting's message, from its part."""
+    new = (status.get("update") or {}).get("to")
+    if not new:
+        return ""
+    _, sep, detail = str(status.get("message") or "").partition(_updating_to(str(new)))
     return detail if sep else ""
 
 
@@ -174,19 +181,16 @@ def decide_step(
     status = dict(res.status)
     serving = serving_generation(status, clusters, jobs, rendered, shape)
     live = {cl["metadata"]["name"]: shape_of(cl, rendered, shape) for cl in _live(clusters)}
-    step = decide(want, serving, live, status.get("update"), status.get("failedUpdate"), st.now)
-    st.doc.update(update=step.record, failedUpdate=step.failed)
     # A failed update says what its generation last did (the message the previous reconcile
     # wrote while it came up: its head job failing, its /health unanswered).
-    last = _candidate_detail(status) if step.failed != status.get("failedUpdate") else ""
-    seen = f". Last seen of it: {last}" if last else ""
+    step = decide(want, serving, live, status.get("update"), status.get("failedUpdate"), st.now,
+                  _last_seen(status))  # fmt: skip
+    st.doc.update(update=step.record, failedUpdate=step.failed)
     for type_, reason, message in step.events:
-        st.event(type_, reason, message + seen if reason == c.REASON_UPDATE_FAILED else message)
+        st.event(type_, reason, message)
     known = condition_status(st.doc["conditions"], c.COND_UPDATED) is not None
     if step.updated is not None and (strategy == UpdateStrategy.SURGE or known):
-        ok, reason, message = step.updated
-        st.cond(c.COND_UPDATED, ok, reason,
-                message + seen if reason == c.REASON_UPDATE_FAILED else message)  # fmt: skip
+        st.cond(c.COND_UPDATED, *step.updated)
     if step.recheck is not None:
         st.recheck(step.recheck)
     return step

@@ -94,9 +94,10 @@ def _at(record: Mapping[str, Any], key: str) -> datetime | None:
 
 def decide(
     want: Wanted, serving: Generation | None, live_shapes: Mapping[str, str],
-    record: Mapping[str, Any] | None, failed: str | None, now: datetime,
+    record: Mapping[str, Any] | None, failed: str | None, now: datetime, last_seen: str = "",
 ) -> Decision:  # fmt: skip
-    """The step for this reconcile; `live_shapes` maps each live cluster to its shape hash."""
+    """The step for this reconcile; `live_shapes` maps each live cluster to its shape hash;
+    `last_seen`, what the new generation last reported, goes into a failed update's why."""
     if record and record.get("phase") == DRAINING:
         return _draining(want, serving, record, failed, now)
     if serving is None:
@@ -121,7 +122,7 @@ def decide(
             d.events.append(("Normal", "UpdateWithdrawn", f"Update to {record.get('to')} "
                              "withdrawn: spec.update.strategy is Recreate"))
         return d
-    return _surge(want, serving, record, failed, now)
+    return _surge(want, serving, record, failed, now, last_seen)
 
 
 def _up_to_date(serving: Generation) -> tuple[bool, str, str]:
@@ -130,7 +131,7 @@ def _up_to_date(serving: Generation) -> tuple[bool, str, str]:
 
 def _surge(
     want: Wanted, serving: Generation, record: Mapping[str, Any] | None, failed: str | None,
-    now: datetime,
+    now: datetime, last_seen: str,
 ) -> Decision:  # fmt: skip
     to = want.cluster if want.cluster != serving.cluster else want.surge_cluster
     target = want.job_hash(to)
@@ -148,6 +149,8 @@ def _surge(
                    f"spec.launch.timeoutSeconds ({want.deadline_seconds}s) after the update "
                    f"started; {serving.cluster} keeps serving, and this target is not tried "
                    "again until the spec changes")  # fmt: skip
+            if last_seen:
+                why += f". Last seen of it: {last_seen}"
             return Decision(
                 Mode.HOLD, serving.cluster, keep=keep, failed=target,
                 delete=[(to, "its update did not serve by its deadline")],
