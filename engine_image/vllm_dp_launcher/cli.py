@@ -215,12 +215,15 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
         env[raycluster.RAY_ADDRESS_ENV] = ray_address
     check_stop_wait(plan, os.environ)
     url = health.health_url(plan)
+    request = health.completion_request(plan, env)
     run = run_engine(
         command,
         env,
         drain_grace=plan.drain_grace_seconds,
         on_start=lambda child, stopping: health.watch(
-            url, alive=lambda: child.poll() is None and not stopping()
+            url,
+            alive=lambda: child.poll() is None and not stopping(),
+            completion=lambda: health.complete(request),
         ),
     )
     status, cause = final_status(run)

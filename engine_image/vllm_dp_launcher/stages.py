@@ -22,6 +22,8 @@ WAITING_FOR_FREE_GPUS = "waiting-for-free-gpus"
 PREFLIGHT = "preflight"
 ENGINE_STARTING = "engine-starting"
 SERVING = "serving"
+#: One completion of one token answered 200 in the pod (health.py): the engines generate.
+ANSWERED = "answered"
 DRAINING = "draining"
 EXITED = "exited"
 
@@ -33,6 +35,7 @@ STAGES = (
     PREFLIGHT,
     ENGINE_STARTING,
     SERVING,
+    ANSWERED,
     DRAINING,
     EXITED,
 )

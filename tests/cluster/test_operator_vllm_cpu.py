@@ -483,6 +483,12 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     assert res["failed"] == 0 and res["rate"] >= 5, why
     st = vdp.status()
     assert (st["phase"], st["rayCluster"]) == ("Serving", new) and st["headJob"] != job, st
+    # The engines want a key, which the operator never holds: the switch waited for the
+    # launcher's own completion in the new head pod, with the key (its `answered` line).
+    head = vdp.pods()["head"]["metadata"]["name"]
+    said = timeline.stage_times(vdp.cluster.kubectl("logs", head, "-n", vdp.ns, "-c",
+                                                    "ray-head").stdout, st["headJob"])
+    assert "answered" in said and said["answered"] <= switched, (said, switched)
     models = http(f"{url}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 192, models
     assert completion(url, http)["object"] == "text_completion"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_dp_launcher import stages
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.controller.kube import SERVICE
 from world import World, serving, spec
@@ -84,6 +85,43 @@ async def test_surge_end_to_end_switches_only_once_the_new_generation_serves() -
     await w.step(1)
     assert routed_to(w) == new and w.status["phase"] == c.PHASE_SERVING
     assert w.job_names() == ["demo-j00002"]
+
+
+async def test_with_an_api_key_the_switch_waits_for_the_launchers_own_completion() -> None:
+    # The operator holds no key: its completion through the new head Service proves only that
+    # vLLM's API server answers (a 401). The launcher's completion in the pod, with the key,
+    # proves generation; until it reports `answered`, the old generation serves.
+    keyed = {"apiKeySecretRef": {"name": "api", "key": "key"}}
+    w = await serving(surge(**keyed))
+    [old] = cluster_names(w)
+    w.update(surge(engineArgs=["--max-model-len", "4096"], **keyed))
+    await w.step()
+    new = w.status["update"]["to"]
+    w.cluster_ready()
+    await w.step(5)
+    w.run("demo-j00002")
+    w.probe.stages["demo-j00002"] = stages.SERVING
+    await w.step(5)
+    assert w.probe.completion_calls, "the operator's own completion is still asked"
+    assert routed_to(w) == old and w.status["update"]["phase"] == "Starting"
+    assert w.probe.followed_until["demo-j00002"] == stages.ANSWERED
+    assert "the launcher's own completion" in w.status["message"], w.status["message"]
+    w.probe.stages["demo-j00002"] = stages.ANSWERED
+    await w.step(5)
+    assert routed_to(w) == new and w.status["update"]["phase"] == "Draining"
+
+
+async def test_without_a_key_the_operators_completion_suffices() -> None:
+    w = await serving(surge())
+    w.update(surge(engineArgs=["--max-model-len", "4096"]))
+    await w.step()
+    new = w.status["update"]["to"]
+    w.cluster_ready()
+    await w.step(5)
+    w.run("demo-j00002")
+    w.probe.stages["demo-j00002"] = stages.SERVING  # no `answered` line: not waited for
+    await w.step(5)
+    assert routed_to(w) == new
 
 
 async def test_a_new_generation_that_never_serves_is_deleted_and_not_retried() -> None:

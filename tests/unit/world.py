@@ -41,6 +41,8 @@ class FakeProbe:
         #: What each head job's launcher reported last, as the test sets it.
         self.stages: dict[str, str] = {}
         self.followed: list[str] = []
+        #: The stage each head job's log is followed until.
+        self.followed_until: dict[str, str] = {}
         self._clock = clock
         self._last = NOT_PROBED
         #: Head Services whose /health fails whatever `ok` says (a new generation that hangs).
@@ -81,6 +83,7 @@ class FakeProbe:
 
     def reported(self, launch: Launch) -> str | None:
         self.followed.append(launch.job)
+        self.followed_until[launch.job] = launch.until
         return self.stages.get(launch.job)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
-from vllm_dp_launcher.stages import SERVING
+from vllm_dp_launcher.stages import ANSWERED, SERVING
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
@@ -81,6 +81,8 @@ class HeadJobs:
         self.complete = complete
         self.health: ProbeResult = NOT_PROBED
         self.target: Target | None = None
+        #: The launcher's last reported stage for the latest head job, while it is followed.
+        self.said: str | None = None
         # The cluster's Ray token, derived again rather than read from its Secret.
         self.token = (cfg.ray_tokens.token(res.namespace, res.name)
                       if spec.ray.auth == RayAuth.TOKEN else None)  # fmt: skip
@@ -124,8 +126,8 @@ class HeadJobs:
         # Only once its Ray job runs: before that no launcher writes, and nothing is followed.
         follow = (not served and self.head_pod is not None
                   and job_state(job) is JobState.RUNNING)  # fmt: skip
-        said = self.probes.reported(self._launch(job)) if follow else None
-        if self.cfg.health_probe == PROBES_OFF and (served or said == SERVING):
+        said = self.said = self.probes.reported(self._launch(job)) if follow else None
+        if self.cfg.health_probe == PROBES_OFF and (served or said in (SERVING, ANSWERED)):
             self.health = ProbeResult(True, "the launcher reports that vLLM answers /health "
                                       "(healthProbe.mode off: the operator sends no probe)")
         elif self.cfg.health_probe == PROBES_OFF:
@@ -148,9 +150,11 @@ class HeadJobs:
     def _launch(self, job: dict[str, Any]) -> Launch:
         assert self.head_pod is not None
         meta = job["metadata"]
+        # A Surge's new generation is followed on to the launcher's own completion (`answered`).
         return Launch(self.ns, self.res.name, self.head_pod["metadata"]["name"],
                       c.HEAD_CONTAINER, meta["name"],
-                      parse_rfc3339(meta.get("creationTimestamp")) or self.st.now)  # fmt: skip
+                      parse_rfc3339(meta.get("creationTimestamp")) or self.st.now,
+                      ANSWERED if self.complete else SERVING)  # fmt: skip
 
     def _served(self, job: dict[str, Any]) -> bool:
         """Whether this head job has served on the head pod it runs on now. KubeRay submits a

@@ -7,9 +7,10 @@ moment vLLM first answers /health, which the launcher watches from inside the po
 the operator as an event and not at its next probe. With healthProbe.mode off, that report is
 the only sign of serving there is.
 
-One follow per launching head job, at most; it ends once the job reports `serving` (or ends),
-so a fleet at rest holds no stream. A stream that breaks is followed again after a pause, from
-the job's start, and a line already seen is no news.
+One follow per launching head job, at most; it ends once the job reports the stage it is
+followed until (`serving`; for a Surge's new generation `answered`, the launcher's own
+completion) or ends, so a fleet at rest holds no stream. A stream that breaks is followed
+again after a pause, from the job's start, and a line already seen is no news.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from vllm_dp_launcher.stages import EXITED, MARKER, SERVING, parse_stage_lines
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
-#: Stages after which nothing more is waited for from a launch's log.
-FINAL = frozenset({SERVING, EXITED})
 #: Pause before a stream that ended is followed again; it doubles while streams bring no
 #: line of the launch (a kubelet that serves no log, a pod without the launcher's report),
 #: up to REFOLLOW_MAX_SECONDS.
@@ -55,11 +54,17 @@ class Launch:
     container: str
     job: str
     started: datetime
+    #: The stage after which nothing more is waited for from its log (besides `exited`).
+    until: str = SERVING
 
     @property
     def key(self) -> Key:
         """The owning resource's key."""
         return (self.namespace, self.owner)
+
+    def final(self, stage: str | None) -> bool:
+        """Whether nothing more is waited for after this stage."""
+        return stage in (self.until, EXITED)
 
 
 class LaunchReports:
@@ -77,7 +82,7 @@ class LaunchReports:
         """The last stage this head job reported; starts following its log if need be."""
         seen = self._stages.get(launch.key)
         stage = seen[1] if seen is not None and seen[0] == launch else None
-        if stage not in FINAL:
+        if not launch.final(stage):
             self._follow(launch)
         return stage
 
@@ -139,4 +144,4 @@ class LaunchReports:
         if seen is None or seen[0] != launch or seen[1] != stage:
             self._stages[launch.key] = (launch, stage)
             self._changed(launch.key, stage)
-        return stage in FINAL
+        return launch.final(stage)

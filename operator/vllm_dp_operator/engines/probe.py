@@ -77,7 +77,8 @@ class TransportProbe:
         """One completion of one token: proof that an engine generates, not only that the API
         server is up. Sent without a key: the operator holds none (its RBAC reads no Secret),
         so where the engines want a key (`keyed`: spec.apiKeySecretRef) vLLM's 401 is taken as
-        its API server's answer."""
+        its API server's answer through the head Service, and the proof of generation is the
+        launcher's own completion in the pod, with the key (its `answered` stage)."""
         answer = await self._transport.request(
             "POST", namespace, service, port, "/v1/completions", limit=COMPLETION_MAX_BYTES,
             json_body={"model": model, "prompt": "ping", "max_tokens": 1},

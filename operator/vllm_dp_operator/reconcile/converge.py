@@ -30,7 +30,7 @@ from vllm_dp_operator.controller.kube import (
     Kube,
 )
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
-from vllm_dp_operator.engines.prober import EngineProbes, Target
+from vllm_dp_operator.engines.prober import EngineProbes
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile import surge
@@ -316,12 +316,14 @@ async def reconcile(
     st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
     live = await _drop_jobs_without_pods(kube, ns, jobs, cluster_name, spec.suspend or held,
                                          step.keep)  # fmt: skip
-    target = await _converge_cluster(kube, probes, ray_jobs, cfg, res, spec, plan, cluster,
-                                      cluster_name, head_pod, held, queue, live, token_secret,
-                                      st, route, shadow is not None)  # fmt: skip
+    flow = await _converge_cluster(kube, probes, ray_jobs, cfg, res, spec, plan, cluster,
+                                    cluster_name, head_pod, held, queue, live, token_secret,
+                                    st, route, shadow is not None)  # fmt: skip
     if shadow is not None and step.record is not None:
-        await surge.after_candidate(st, shadow, router, step.record, probes, target, cfg, plan,
-                                    res.status.get("servedJob"), res.status.get("servedHeadPod"),
+        await surge.after_candidate(st, shadow, router, step.record, probes,
+                                    flow.target if flow else None, flow.said if flow else None,
+                                    cfg, plan, res.status.get("servedJob"),
+                                    res.status.get("servedHeadPod"),
                                     spec.update.drain_seconds)  # fmt: skip
     return st.outcome()
 
@@ -332,7 +334,7 @@ async def _converge_cluster(
     head_pod: dict[str, Any] | None, held: bool, queue: str | None, live: list[dict[str, Any]],
     token_secret: dict[str, Any] | None, st: StatusDoc,
     route: Callable[[bool | None], Awaitable[bool]], complete: bool,
-) -> Target | None:  # fmt: skip
+) -> HeadJobs | None:  # fmt: skip
     """One generation: queued, suspended, provisioning, or its head jobs on a ready cluster."""
     ns = res.namespace
     if held and not spec.suspend:
@@ -373,4 +375,4 @@ async def _converge_cluster(
     flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
                     route, complete)  # fmt: skip
     await flow.converge(live)
-    return flow.target
+    return flow

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_dp_launcher.stages import ANSWERED
+
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
@@ -268,19 +270,36 @@ async def hold(
     overlay_hold(st, cluster, served, routed, why)
 
 
+def launcher_answered(said: str | None, target: Target | None, cfg: Config) -> tuple[bool, str]:
+    """Whether the launcher's own completion, sent in the new head pod, answered 200. Needed
+    where the operator's cannot prove generation: the engines want an API key, which only the
+    pod holds (the operator's completion then gets vLLM's 401), or probes are off (it sends
+    none). Elsewhere the operator's own completion suffices."""
+    keyed = target is not None and target.complete_keyed
+    if not keyed and cfg.health_probe != PROBES_OFF:
+        return True, "not needed"
+    if said == ANSWERED:
+        return True, "the launcher's own completion in the pod answered 200"
+    return False, (f"waiting for the launcher's own completion in the pod (stage "
+                   f"{ANSWERED}; its last stage: {said or 'none seen'})")  # fmt: skip
+
+
 async def after_candidate(
     st: StatusDoc, shadow: Shadow, router: Router, record: dict[str, Any],
-    probes: EngineProbes, target: Target | None, cfg: Config, plan: Plan, served: str | None,
-    served_head: str | None, drain_seconds: int,
+    probes: EngineProbes, target: Target | None, said: str | None, cfg: Config, plan: Plan,
+    served: str | None, served_head: str | None, drain_seconds: int,
 ) -> None:  # fmt: skip
-    """Switch to the new generation once it serves; else say that the old one still does."""
+    """Switch to the new generation once it serves; else say that the old one still does.
+    Serving: /health (or, probes off, the launcher's report of it), one completion through
+    its own head Service, and where that cannot prove generation, the launcher's own."""
     if not shadow.asked:
         overlay_starting(st, record, served, "not serving yet", served_head)
         return
-    if cfg.health_probe == PROBES_OFF:
-        ok, why = True, "healthProbe.mode off: the launcher's report alone (no completion sent)"
-    else:
+    ok, why = True, "healthProbe.mode off: no completion from the operator"
+    if cfg.health_probe != PROBES_OFF:
         ok, why = completion_ok(probes, target)
+    if ok:
+        ok, why = launcher_answered(said, target, cfg)
     if ok:
         await switch(st, router, record, plan.model, plan.data_parallel_size, drain_seconds)
         return
