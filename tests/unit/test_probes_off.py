@@ -48,3 +48,18 @@ async def test_a_launch_not_served_yet_has_its_report_followed_with_probes_on() 
     followed = len(w.probe.followed)
     await w.step(advance=30)
     assert len(w.probe.followed) == followed, "a head job that served is not followed"
+
+
+async def test_a_head_container_not_running_yet_is_not_followed() -> None:
+    # A follow asked of a container that has not started fails, and each failure waits
+    # longer before the next (launch_reports.py): a replaced head pod's report would come
+    # late. The follow starts once the head container runs, and a follow then stays open.
+    w = await launched()
+    w.run("demo-j00001")
+    [head] = [p for p in w.kube.objects.values() if p["metadata"]["name"].endswith("-head-0")]
+    head["status"]["containerStatuses"][0]["state"] = {"waiting": {"reason": "PodInitializing"}}
+    await w.step()
+    assert w.probe.followed == []
+    head["status"]["containerStatuses"][0]["state"] = {"running": {}}
+    await w.step()
+    assert w.probe.followed[-1] == "demo-j00001"

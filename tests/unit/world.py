@@ -206,7 +206,9 @@ class World:
                          "labels": {c.LABEL_RAY_CLUSTER: cluster, c.LABEL_RAY_NODE_TYPE: "head"}},
             "spec": {"nodeName": "node-a"},
             "status": {"phase": "Running", "podIP": f"10.0.0.{10 + index}",
-                       "conditions": [{"type": "Ready", "status": "True"}]},
+                       "conditions": [{"type": "Ready", "status": "True"}],
+                       "containerStatuses": [{"name": c.HEAD_CONTAINER, "state": {
+                           "running": {"startedAt": "2026-01-01T00:00:00Z"}}}]},
         }  # fmt: skip
 
     def head_pod(self, cluster: str | None = None) -> dict[str, Any] | None:

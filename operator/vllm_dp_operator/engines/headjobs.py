@@ -64,6 +64,13 @@ def _labels(obj: dict[str, Any]) -> dict[str, str]:
     return labels
 
 
+def _running(pod: dict[str, Any], container: str) -> bool:
+    """Whether the pod's container of that name runs now."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return any(s.get("name") == container and "running" in (s.get("state") or {})
+               for s in statuses)  # fmt: skip
+
+
 class HeadJobs:
     """One reconcile's view of a resource's head jobs on its ready cluster."""
 
@@ -123,9 +130,12 @@ class HeadJobs:
         served = self._served(job)
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).
-        # Only once its Ray job runs: before that no launcher writes, and nothing is followed.
+        # Only once its Ray job runs on a head container that runs: before that no launcher
+        # writes, and a follow asked of a container not started yet fails and waits longer
+        # each time (launch_reports.py); one opened on a running container stays open.
         follow = (not served and self.head_pod is not None
-                  and job_state(job) is JobState.RUNNING)  # fmt: skip
+                  and job_state(job) is JobState.RUNNING
+                  and _running(self.head_pod, c.HEAD_CONTAINER))  # fmt: skip
         said = self.said = self.probes.reported(self._launch(job)) if follow else None
         if self.cfg.health_probe == PROBES_OFF and (served or said in (SERVING, ANSWERED)):
             self.health = ProbeResult(True, "the launcher reports that vLLM answers /health "
