@@ -331,11 +331,16 @@ def test_f_head_pod_deleted_stops_routing_then_serves_again(
     unroute_s = unrouted - deleted
     first_fail = f"{res['failures'][0]['sent'] - deleted:.1f}s" if res["failures"] else "none"
     outage = sum(o["to"] - o["from"] for o in res["outages"])
+    # What failed once the route was back (sent after it), by kind: the kept failures are
+    # the first and the latest 100.
+    after = [f for f in res["failures"] if f["sent"] >= rerouted]
+    kinds = sorted({f"{f['status'] or f['detail'].split(':')[0]}" for f in after})
     report["F head pod deleted"] = (
         f"{t.summary()}; unrouted {unroute_s:.1f}s after the delete, first failure at "
         f"{first_fail}, routed again at {rerouted - deleted:.1f}s (vLLM serving on the new "
-        f"head at {(serving or 0) - deleted:.1f}s), outage {outage:.1f}s; head job {job} -> "
-        f"{st['headJob']}")  # fmt: skip
+        f"head at {(serving or 0) - deleted:.1f}s), outage {outage:.1f}s; sent after the "
+        f"route came back and failed: {len(after)} ({', '.join(kinds) or 'none'}); head job "
+        f"{job} -> {st['headJob']}")  # fmt: skip
     why = (f"{t.summary()}\nslice: {watch.seen}\nfailures: {json.dumps(res['failures'][-10:])}"
            f"\n--- new head's log\n{log[-3000:]}\n{operator_logs(vdp.cluster)}")  # fmt: skip
     assert unroute_s < 15, f"routing stopped {unroute_s:.1f}s after the delete\n{why}"

@@ -24,6 +24,7 @@ Test-only, standard library only.
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import http.server
 import json
@@ -34,7 +35,8 @@ import time
 import urllib.parse
 from typing import Any
 
-#: Failures kept in full; beyond this only counted (a long outage at 10/s is thousands).
+#: Failures kept in full, the first half and the latest half; the rest only counted (a long
+#: outage at 10/s is thousands, and what fails after it matters as much as how it began).
 KEEP_FAILURES = 200
 
 
@@ -50,6 +52,8 @@ class Tally:
         self.failed = 0
         self.before_first_ok = 0  # failures before the first 200: the client's own start
         self.failures: list[dict[str, Any]] = []
+        self._latest: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=KEEP_FAILURES - KEEP_FAILURES // 2)
         # Every counted request as (sent, done, good): outages are runs in the order requests
         # were *sent*. In an open loop answers come back out of order (a timeout lands seconds
         # after later successes), and grouping by answer would split one outage into many.
@@ -71,9 +75,9 @@ class Tally:
                 self.ok += 1
                 return True
             self.failed += 1
-            if len(self.failures) < KEEP_FAILURES:
-                self.failures.append({"sent": round(sent, 3), "done": round(done, 3),
-                                      "status": status, "detail": detail[:200]})  # fmt: skip
+            kept = self.failures if len(self.failures) < KEEP_FAILURES // 2 else self._latest
+            kept.append({"sent": round(sent, 3), "done": round(done, 3), "status": status,
+                         "detail": detail[:200]})  # fmt: skip
             return True
 
     def stop(self) -> None:
@@ -94,7 +98,7 @@ class Tally:
                     "total": total, "ok": self.ok, "failed": self.failed,
                     "rate": round(total / span, 2) if span > 0 else 0.0,
                     "before_first_ok": self.before_first_ok,
-                    "failures": list(self.failures), "outages": outages}  # fmt: skip
+                    "failures": [*self.failures, *self._latest], "outages": outages}  # fmt: skip
 
 
 def _outages(requests: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:

@@ -177,6 +177,8 @@ def test_tally_keeps_an_open_outage_and_caps_kept_failures() -> None:
         t.record(3.0 + i, 3.1 + i, 502, "bad gateway")
     snap = t.snapshot()
     assert (snap["ok"], snap["failed"], len(snap["failures"])) == (1, 250, 200)
+    sent = [f["sent"] for f in snap["failures"]]  # the first 100 and the latest 100
+    assert sent == [3.0 + i for i in range(100)] + [3.0 + i for i in range(150, 250)]
     assert snap["outages"] == [{"from": 3.0, "to": None, "failed": 250}]
     t.stop()
     assert t.record(999.0, 999.1, 500, "") is False
