@@ -201,3 +201,35 @@ async def test_a_candidate_is_asked_one_completion_after_health_and_until_it_ans
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_surge_probes_the_serving_head_and_the_new_one_side_by_side() -> None:
+    """While a new generation starts, the serving one stays probed in its own slot (a hang
+    there is still seen); the resource's load is the serving one's; the new one's slot goes
+    when no update starts any more."""
+    engines, woken, loads = EngineDouble(), [], {}
+    p = pool(engines, woken, loads=loads)
+    old, new = target("a"), Target("ns", "a", "a2-head-svc", 8000, "j2", "llama", False)
+    engines.ok.update({"a-head-svc": True, "a2-head-svc": True})
+    engines.loads["a-head-svc"] = {0: EngineLoad(0, running=3, waiting=0, kv_cache_usage=0.1)}
+    engines.loads["a2-head-svc"] = {0: EngineLoad(0, running=0, waiting=0, kv_cache_usage=0.0)}
+    task = p.start()[0]
+    try:
+        p.health(old)
+        p.health(new)
+        await until(lambda: p.health(old).ok and p.health(new).ok)
+        assert len(p) == 2
+        await until(lambda: engines.asked.count("a-head-svc") >= 5
+                    and engines.asked.count("a2-head-svc") >= 5)  # fmt: skip
+        assert loads[("ns", "a")][0].running == 3  # never the new generation's
+        engines.ok["a-head-svc"] = False  # the serving engine hangs on
+        await until(lambda: p.health(old).failures >= 3)
+        assert p.health(new).ok
+        p.release_candidate(("ns", "a"))
+        assert len(p) == 1 and p.health(old).failures >= 3
+        asked = engines.asked.count("a2-head-svc")
+        await until(lambda: engines.asked.count("a-head-svc") >= 15)
+        assert engines.asked.count("a2-head-svc") <= asked + 1  # one in flight at most
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

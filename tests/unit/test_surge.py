@@ -124,6 +124,24 @@ async def test_without_a_key_the_operators_completion_suffices() -> None:
     assert routed_to(w) == new
 
 
+async def test_the_serving_head_stays_probed_while_the_new_one_starts() -> None:
+    # A hang of the old generation's engine while the new one comes up takes its route by
+    # the usual threshold, as it would outside an update: it is probed in a slot of its own.
+    w = await serving(surge())
+    [old] = cluster_names(w)
+    w.update(surge(engineArgs=["--max-model-len", "4096"]))
+    await w.step()
+    w.probe.down.add(f"{old}-head-svc")
+    for _ in range(3):
+        await w.step(5)
+    assert routed_to(w) == old, "a few failed probes take no route"
+    assert w.status["update"]["phase"] == "Starting"
+    for _ in range(30):
+        await w.step(5)
+    assert routed_to(w) is None, "failures in a row past the threshold: the hung head unrouted"
+    assert w.status["update"]["phase"] == "Starting"
+
+
 async def test_a_new_generation_that_never_serves_is_deleted_and_not_retried() -> None:
     w = await serving(surge())
     [old] = cluster_names(w)

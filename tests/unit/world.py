@@ -47,6 +47,7 @@ class FakeProbe:
         self._last = NOT_PROBED
         #: Head Services whose /health fails whatever `ok` says (a new generation that hangs).
         self.down: set[str] = set()
+        self._down: dict[str, tuple[int, datetime]] = {}  # failures in a row, since
         #: What a one-token completion answers (a Surge's new generation is asked one).
         self.completes = True
         self.completion_calls: list[str] = []
@@ -54,7 +55,10 @@ class FakeProbe:
     def health(self, target: Target) -> ProbeResult:
         self.calls.append(f"{target.service}:{target.port}")
         if target.service in self.down:
-            return ProbeResult(False, f"probe {target.service}:{target.port} ok=False", 1, None)
+            failures, since = self._down.get(target.service, (0, self._clock()))
+            self._down[target.service] = (failures + 1, since)
+            return ProbeResult(False, f"probe {target.service}:{target.port} ok=False",
+                               failures + 1, since)  # fmt: skip
         if self.ok:
             self._last = ProbeResult(True, f"probe {target.service}:{target.port} ok=True")
         else:

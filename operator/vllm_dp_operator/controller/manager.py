@@ -91,6 +91,7 @@ from vllm_dp_operator.observability.metrics import (
 )
 from vllm_dp_operator.reconcile.converge import reconcile
 from vllm_dp_operator.reconcile.outcome import Event, Outcome, Resource
+from vllm_dp_operator.reconcile.update import STARTING
 
 log = logging.getLogger(__name__)
 
@@ -487,6 +488,8 @@ class Controller:
         self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
         if outcome.status.get("phase") not in PROBED_PHASES:
             self.probes.release(key)
+        elif (outcome.status.get("update") or {}).get("phase") != STARTING:
+            self.probes.release_candidate(key)  # no new generation to probe beside the old
         self._settled(key)
         again = watched_again(outcome.status["conditions"], outcome.status["observedGeneration"],
                               now)  # fmt: skip

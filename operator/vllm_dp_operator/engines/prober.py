@@ -8,9 +8,11 @@ it matters to a decision: the first answer, /health turning ok or failing, one m
 a row, the set of ranks that report, or the load level. Per-rank numbers go straight to the
 operator's metrics, with no reconcile and no status write.
 
-Each resource has at most one target: the head job its last reconcile asked about. A new head
-job starts from nothing (never probed, so not routable), and a resource that no longer
-launches or serves is released.
+Each resource has at most one target: the head job its last reconcile asked about; and while
+a Surge brings up a new generation, a second one, that generation's (the one asked a
+completion), so the old generation stays probed while it serves. A new head job starts from
+nothing (never probed, so not routable), and a resource that no longer launches or serves is
+released; its second target once no update is starting.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from vllm_dp_operator.engines.probe import EngineReading, HealthProbe, ProbeResu
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
+#: A resource's key and whether the target is a Surge's new generation.
+Slot = tuple[str, str, bool]
 NOT_PROBED = ProbeResult(False, "not probed yet")
 
 
@@ -53,6 +57,12 @@ class Target:
     def key(self) -> Key:
         """The owning resource's key (namespace, name)."""
         return (self.namespace, self.owner)
+
+    @property
+    def slot(self) -> Slot:
+        """Where the pool keeps it: a Surge's new generation (asked a completion) has a slot
+        of its own beside the serving generation's."""
+        return (self.namespace, self.owner, self.complete_model is not None)
 
 
 class EngineProbes(Protocol):
@@ -122,8 +132,8 @@ class ProbePool:
         self._launching, self._serving = launching_seconds, serving_seconds
         self._slots = asyncio.Semaphore(concurrency)
         self._clock = clock
-        self._entries: dict[Key, _Entry] = {}
-        self._heap: list[tuple[float, int, Key]] = []
+        self._entries: dict[Slot, _Entry] = {}
+        self._heap: list[tuple[float, int, Slot]] = []
         self._seq = 0
         self._changed = asyncio.Event()
         self._running: set[asyncio.Task[None]] = set()
@@ -144,13 +154,14 @@ class ProbePool:
 
     def nudge(self, key: Key) -> None:
         """Probe now (the launcher reported that vLLM answers)."""
-        entry = self._entries.get(key)
-        if entry is None or not self._probing:
-            return
-        if entry.busy:
-            entry.again = True  # the probe in flight may have left before vLLM answered
-        else:
-            self._schedule(key, entry, 0.0)
+        for slot in ((*key, False), (*key, True)):
+            entry = self._entries.get(slot)
+            if entry is None or not self._probing:
+                continue
+            if entry.busy:
+                entry.again = True  # the probe in flight may have left before vLLM answered
+            else:
+                self._schedule(slot, entry, 0.0)
 
     def reported(self, launch: Launch) -> str | None:
         """The launcher's last reported stage for this head job."""
@@ -160,21 +171,26 @@ class ProbePool:
         """Stop probing a resource that neither launches nor serves, or is gone."""
         if self._reports is not None:
             self._reports.release(key)
-        entry = self._entries.pop(key, None)
+        self.release_candidate(key)
+        entry = self._entries.pop((*key, False), None)
         if entry is not None and self._on_loads is not None:
             self._on_loads(key, None)
+
+    def release_candidate(self, key: Key) -> None:
+        """Stop probing a Surge's new generation: no update of this resource is starting."""
+        self._entries.pop((*key, True), None)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _entry(self, target: Target) -> _Entry:
-        entry = self._entries.get(target.key)
+        entry = self._entries.get(target.slot)
         if entry is None or entry.target != target:
             entry = _Entry(target)
             entry.told = _signature(entry)
-            self._entries[target.key] = entry
+            self._entries[target.slot] = entry
             if self._probing:
-                self._schedule(target.key, entry, 0.0)
+                self._schedule(target.slot, entry, 0.0)
         return entry
 
     # ------------------------------------------------------------------ the pool's side
@@ -182,10 +198,10 @@ class ProbePool:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
-    def _schedule(self, key: Key, entry: _Entry, delay: float) -> None:
+    def _schedule(self, slot: Slot, entry: _Entry, delay: float) -> None:
         entry.due = self._now() + delay
         self._seq += 1
-        heapq.heappush(self._heap, (entry.due, self._seq, key))
+        heapq.heappush(self._heap, (entry.due, self._seq, slot))
         self._changed.set()
 
     def start(self) -> list[asyncio.Task[None]]:
@@ -196,13 +212,13 @@ class ProbePool:
         try:
             while True:
                 await self._next_due()
-                due, _, key = heapq.heappop(self._heap)
-                entry = self._entries.get(key)
+                due, _, slot = heapq.heappop(self._heap)
+                entry = self._entries.get(slot)
                 if entry is None or entry.due != due or entry.busy:
                     continue  # released, rescheduled since, or already being probed
                 await self._slots.acquire()  # at most `concurrency` engines asked at once
                 entry.busy = True
-                task = asyncio.create_task(self._probe_one(key, entry), name=f"probe {key}")
+                task = asyncio.create_task(self._probe_one(slot, entry), name=f"probe {slot}")
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
         finally:
@@ -221,7 +237,7 @@ class ProbePool:
             else:
                 await self._changed.wait()
 
-    async def _probe_one(self, key: Key, entry: _Entry) -> None:
+    async def _probe_one(self, slot: Slot, entry: _Entry) -> None:
         t = entry.target
         try:
             answer = await self._probe.check(t.namespace, t.service, t.port)
@@ -240,14 +256,15 @@ class ProbePool:
         finally:
             entry.busy = False
             self._slots.release()
-        if self._entries.get(key) is not entry:
+        if self._entries.get(slot) is not entry:
             return  # released, or a newer head job took its place, while it was asked
         entry.completion = completion
-        self._record(key, entry, answer, reading)
+        self._record(slot, entry, answer, reading)
 
     def _record(
-        self, key: Key, entry: _Entry, answer: ProbeResult, reading: EngineReading | None
+        self, slot: Slot, entry: _Entry, answer: ProbeResult, reading: EngineReading | None
     ) -> None:
+        key, candidate = slot[:2], slot[2]
         previous = entry.health
         if answer.ok:
             entry.health = ProbeResult(True, answer.detail)
@@ -258,10 +275,11 @@ class ProbePool:
             entry.health = ProbeResult(False, answer.detail, failures, since)
         if reading is not None:
             entry.reading = reading
-            if self._on_loads is not None and reading.loads is not None:
+            # The resource's load is its serving generation's; a new one's is not yet.
+            if self._on_loads is not None and reading.loads is not None and not candidate:
                 self._on_loads(key, reading.loads)
         period = self._serving if entry.served else self._launching
-        self._schedule(key, entry, 0.0 if entry.again else period * random.uniform(0.9, 1.1))
+        self._schedule(slot, entry, 0.0 if entry.again else period * random.uniform(0.9, 1.1))
         entry.again = False
         signature = _signature(entry)
         if signature != entry.told:

@@ -305,7 +305,8 @@ async def reconcile(
     if step.mode is Mode.CANDIDATE and step.record is not None:
         # The old generation keeps its route; the new one's flow routes into a shadow.
         old = await surge.router_of(kube, res, spec, owner, step.record["from"])
-        await surge.keep_serving(old, jobs, res.status.get("servedJob"), step.record["from"])
+        await surge.keep_serving(old, res, spec, step.record["from"], clusters, jobs, probes,
+                                 cfg, st)  # fmt: skip
         shadow = surge.Shadow()
     route = shadow.route if shadow is not None else router.route
     if spec.suspend or cluster is None or held:

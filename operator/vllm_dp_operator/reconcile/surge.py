@@ -5,7 +5,8 @@ While an update runs, the reconcile's flow (`converge.py`, `engines/headjobs.py`
 new generation with a `Shadow` in place of the router: it decides as always, but nothing it
 decides reaches the EndpointSlice. The old generation is left as it is: its head job is never
 stopped here, and its route goes only on evidence that it is gone (its head job ended or
-failed, its head pod gone or not Ready), as the data plane's rule says.
+failed, its head pod gone or not Ready, its probes failing past the threshold: the probe pool
+keeps it in a slot of its own beside the new generation's), as the data plane's rule says.
 """
 
 from __future__ import annotations
@@ -82,12 +83,40 @@ class Shadow:
 
 
 async def keep_serving(
-    router: Router, jobs: list[Obj], served_job: str | None, cluster: str
-) -> bool:
-    """The old generation's route: kept while its head job runs and its head pod is Ready."""
-    job = [j for j in _live(jobs) if j["metadata"]["name"] == served_job
-           and _labels(j).get(c.LABEL_CLUSTER) == cluster]  # fmt: skip
-    return await router.route(while_not_ready(job))
+    router: Router, res: Resource, spec: VLLMDataParallelSpec, cluster: str,
+    clusters: list[Obj], jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
+) -> bool:  # fmt: skip
+    """The old generation's route while a new one starts: see `served_route`."""
+    return await router.route(served_route(res, spec, cluster, clusters, jobs, probes, cfg, st))
+
+
+def served_route(
+    res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
+    jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
+) -> bool | None:  # fmt: skip
+    """The serving generation's route, decided on evidence only: False once its head job ended
+    or its head pod is gone or not Ready, or its /health failed in a row past the threshold
+    (failures over a minimum time: a hung engine); True while it answers; else None (no
+    change). It stays probed in the pool's serving slot, a new generation in its own."""
+    served = res.status.get("servedJob")
+    live = [j for j in _live(jobs) if j["metadata"]["name"] == served
+            and _labels(j).get(c.LABEL_CLUSTER) == cluster]  # fmt: skip
+    decision = while_not_ready(live)
+    if decision is not None or not served or cfg.health_probe == PROBES_OFF:
+        return decision
+    obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
+    # The same target as the flow's while it served (engines/headjobs.py): its answers so far
+    # count on, with no fresh start.
+    health = probes.health(Target(res.namespace, res.name, names.head_service(cluster),
+                                  _api_port(obj, spec.service.port), served, None,
+                                  spec.api_key_secret_ref is not None))  # fmt: skip
+    since = health.failing_since or st.now
+    if health.ok:
+        return True
+    if (health.failures >= cfg.unroute_after_failures
+            and (st.now - since).total_seconds() >= cfg.unroute_after_seconds):  # fmt: skip
+        return False
+    return None
 
 
 def completion_ok(probes: EngineProbes, target: Target | None) -> tuple[bool, str]:
@@ -247,22 +276,8 @@ async def hold(
     loses its route by the usual threshold (failures in a row over a minimum time)."""
     served = res.status.get("servedJob")
     router = await router_of(kube, res, spec, owner, cluster)
-    live = [j for j in _live(jobs) if j["metadata"]["name"] == served
-            and _labels(j).get(c.LABEL_CLUSTER) == cluster]  # fmt: skip
-    decision = while_not_ready(live)
-    if decision is None and served and cfg.health_probe != PROBES_OFF:
-        obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
-        health = probes.health(Target(res.namespace, res.name, names.head_service(cluster),
-                                      _api_port(obj, spec.service.port), served))  # fmt: skip
-        since = health.failing_since or st.now
-        if health.ok:
-            decision = True
-        elif (
-            health.failures >= cfg.unroute_after_failures
-            and (st.now - since).total_seconds() >= cfg.unroute_after_seconds
-        ):
-            decision = False  # fmt: skip
-    routed = await router.route(decision)
+    routed = await router.route(served_route(res, spec, cluster, clusters, jobs, probes, cfg,
+                                             st))  # fmt: skip
     record = st.doc.get("update")
     why = (f"the spec's change waits until {record['from']} has drained" if record
            else f"the update to job hash {st.doc.get('failedUpdate')} did not serve by its "
