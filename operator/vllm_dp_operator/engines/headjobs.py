@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from vllm_dp_launcher.stages import ANSWERED, SERVING
@@ -62,6 +62,14 @@ def head_pod_of(pods: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 def _labels(obj: dict[str, Any]) -> dict[str, str]:
     labels: dict[str, str] = obj["metadata"].get("labels") or {}
     return labels
+
+
+def probed_gone(health: ProbeResult, cfg: Config, now: datetime) -> bool:
+    """Whether a head that served has failed its probes long enough to be taken as gone (a
+    hung engine): failures in a row over a minimum time. One blink proves nothing."""
+    since = health.failing_since or now
+    return (health.failures >= cfg.unroute_after_failures
+            and (now - since).total_seconds() >= cfg.unroute_after_seconds)  # fmt: skip
 
 
 def _running(pod: dict[str, Any], container: str) -> bool:
@@ -196,8 +204,7 @@ class HeadJobs:
         # here only a hung engine is left, and it takes failures in a row over a minimum time.
         failures, since = self.health.failures, self.health.failing_since or self.st.now
         doc.update(probeFailures=failures, probeFailingSince=rfc3339(since))
-        return not (failures >= self.cfg.unroute_after_failures
-                    and (self.st.now - since).total_seconds() >= self.cfg.unroute_after_seconds)
+        return not probed_gone(self.health, self.cfg, self.st.now)
 
     def _record_failure(self, name: str, why: str, reason: str) -> str:
         doc = self.st.doc

@@ -20,7 +20,7 @@ from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, Kube
-from vllm_dp_operator.engines.headjobs import head_pod_of
+from vllm_dp_operator.engines.headjobs import head_pod_of, probed_gone
 from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.engines.prober import EngineProbes, Target
 from vllm_dp_operator.engines.transport import PROBES_OFF
@@ -110,13 +110,9 @@ def served_route(
     health = probes.health(Target(res.namespace, res.name, names.head_service(cluster),
                                   _api_port(obj, spec.service.port), served, None,
                                   spec.api_key_secret_ref is not None))  # fmt: skip
-    since = health.failing_since or st.now
     if health.ok:
         return True
-    if (health.failures >= cfg.unroute_after_failures
-            and (st.now - since).total_seconds() >= cfg.unroute_after_seconds):  # fmt: skip
-        return False
-    return None
+    return False if probed_gone(health, cfg, st.now) else None
 
 
 def completion_ok(probes: EngineProbes, target: Target | None) -> tuple[bool, str]:
