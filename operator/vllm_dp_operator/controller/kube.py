@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
+from yarl import URL
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.controller.fence import fence_trace
@@ -103,6 +106,33 @@ class Kube(Protocol):
         ...
 
 
+def resession(
+    api: client.ApiClient, trace_configs: list[aiohttp.TraceConfig] | None = None
+) -> None:
+    """Move the REST client's connections to a session of the operator's own.
+
+    The client's session trusts the environment, and aiohttp then looks up the proxy
+    variables and ~/.netrc on every request, in a thread of the default executor: two thread
+    hops per API call, about half a millisecond of CPU each time. The proxy for the API
+    server is decided here once instead, the way aiohttp would (`HTTPS_PROXY`, `NO_PROXY`),
+    unless the kubeconfig names one (`proxy-url`). A session's trace hooks are fixed when it
+    is made, so they are given here too.
+    """
+    rest = api.rest_client
+    if not rest.proxy:
+        with contextlib.suppress(LookupError):
+            proxy, auth = get_env_proxy_for_url(URL(api.configuration.host or ""))
+            if auth is not None:  # aiohttp sends a proxy URL's user as Proxy-Authorization
+                proxy = proxy.with_user(auth.login).with_password(auth.password)
+            rest.proxy = str(proxy)
+    old = rest.pool_manager
+    rest.pool_manager = aiohttp.ClientSession(
+        connector=old.connector, trust_env=False, read_bufsize=2**21,
+        trace_configs=trace_configs,
+    )  # fmt: skip
+    old.detach()
+
+
 class ApiKube:
     """Kube over kubernetes_asyncio's REST client, with kubeconfig or in-cluster credentials."""
 
@@ -123,15 +153,8 @@ class ApiKube:
         api = client.ApiClient()
         if user_agent:
             api.user_agent = user_agent
-        # The client builds its own session; a session's trace hooks are fixed when it is
-        # made, so its connector moves to one that carries the write fence (fence.py).
-        rest = api.rest_client
-        old = rest.pool_manager
-        rest.pool_manager = aiohttp.ClientSession(
-            connector=old.connector, trust_env=old.trust_env, read_bufsize=2**21,
-            trace_configs=[fence_trace()],
-        )  # fmt: skip
-        old.detach()
+        # The write fence (fence.py) rides on the session's trace hooks.
+        resession(api, [fence_trace()])
         return cls(api)
 
     @property

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from vllm_dp_operator.controller.kube import REQUEST_TIMEOUT, Kind
+from vllm_dp_operator.controller.kube import REQUEST_TIMEOUT, Kind, resession
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class ApiLeases:
             self._api = client.ApiClient()
             if self._user_agent:
                 self._api.user_agent = self._user_agent
+            resession(self._api)
         return self._api
 
     async def close(self) -> None:
