@@ -50,8 +50,8 @@ crds: ## Regenerate the CRD (crds/ and the chart) from the pydantic models
 crds-check: ## Fail when the checked-in CRDs drift from the models
 	$(BIN)/python hack/gen_crds.py --check
 
-test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, reliability, ray (CI runs this)
-	$(PYTEST) -m "not vllm and not kind" tests
+test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, kind, reliability, ray (CI runs this)
+	$(PYTEST) -m "not vllm" tests
 
 test-unit: ## Pure tests only (seconds)
 	$(PYTEST) tests/unit

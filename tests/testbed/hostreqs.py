@@ -50,10 +50,10 @@ USES = {
     "ray": "the Ray tier (test-ray: cutting one Ray node off)",
     "observability": "a real Prometheus scraping the operator (test-controlplane, test-cluster)",
     "docker": "opt-in: make image, engine-image (the user's Docker)",
-    "kind": "opt-in: the kind tier (make e2e-kind): its own Docker engine, kind's nodes",
+    "kind": "the kind tier (make e2e-kind, kind-build, make test): its own Docker engine",
     "install": "apt-get, for `install` itself",
 }
-OPT_IN = ("docker", "kind", "install")
+OPT_IN = ("docker", "install")
 DEFAULT_USES = tuple(u for u in USES if u not in OPT_IN)
 GO = "the Go toolchain, `go` on PATH"
 GO_HINT = ("install Go from its release archive, at least the `go` line of tests/testbed/go.mod "

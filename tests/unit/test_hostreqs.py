@@ -211,7 +211,9 @@ def test_a_kwok_bed_needs_less_than_the_real_node_bed() -> None:
     kwok = {n.name for n in hostreqs.needs(["kwok"])}
     real = {n.name for n in hostreqs.needs(["cluster"])}
     assert "nft" not in kwok and "nft" in real and {"etcd", "openssl"} <= kwok & real
-    assert "docker" not in {n.name for n in hostreqs.needs()}  # opt-in
+    # The kind tier runs in make test, with its own dockerd; the user's Docker is opt-in.
+    assert "dockerd" in {n.name for n in hostreqs.needs()}
+    assert "docker" not in hostreqs.DEFAULT_USES and "kind" in hostreqs.DEFAULT_USES
 
 
 def test_install_updates_once_then_installs_the_packages() -> None:
