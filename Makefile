@@ -17,7 +17,7 @@ NODES ?=
 
 .PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
-        cluster-down cluster-status dev dev-down bench-controlplane bench-serving \
+        cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes \
         image engine-image kind-build e2e-kind e2e-kind-down images images-smoke
 
 help: ## List targets
@@ -125,6 +125,9 @@ bench-controlplane: ## P1-P4 of docs/benchmarks.md on the test bed; last line is
 
 bench-serving: ## P7 of docs/benchmarks.md: 1,000 resources Serving, then hung engines (BENCH_ARGS=--quick: 50); last line is one JSON object
 	$(BIN)/python bench/serving.py $(BENCH_ARGS)
+
+bench-probes: ## P7b of docs/benchmarks.md: the probes alone in cluster-DNS mode at 1,000 resources' full cadence (no bed, ~4 min); last line is one JSON object
+	$(BIN)/python bench/probe_cost.py $(BENCH_ARGS)
 
 images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths
 	@$(HOSTREQS) ensure images

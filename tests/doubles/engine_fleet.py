@@ -368,12 +368,14 @@ def make_app(fleet: Fleet) -> web.Application:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="0.0.0.0",
+                        help="address to listen on (127.0.0.1 outside the bed's namespace)")
     parser.add_argument("--ranks", type=int, default=8, help="DP ranks each engine reports")
     parser.add_argument("--regime-seconds", type=float, default=1800,
                         help="mean time between an engine's traffic shifts")  # fmt: skip
     args = parser.parse_args()
     fleet = Fleet(args.ranks, args.regime_seconds)
-    web.run_app(make_app(fleet), host="0.0.0.0", port=args.port, print=None,
+    web.run_app(make_app(fleet), host=args.host, port=args.port, print=None,
                 access_log=None, backlog=4096)  # fmt: skip
 
 

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""P7b: the probes' own CPU in cluster-DNS mode, at the full cadence of N Serving resources.
+
+`make bench-serving` runs in `apiserver-proxy` mode (the bed's host has no cluster DNS), where
+the proxy's rate limit caps the probes at 20 GETs a second. In a cluster the chart's default
+is cluster DNS, with no such cap: 1,000 resources ask /health and /metrics every 30 s, about
+67 GETs a second. This measures what that costs the operator's probe machinery alone, in one
+process: the operator's own `ProbePool`, `TransportProbe` and `ServiceDnsTransport`, and its
+per-rank gauges (`OperatorMetrics.set_engine_loads`), against the engine test double
+(`tests/doubles/engine_fleet.py`, 8 ranks, load moving) on 127.0.0.1. A resolver test double
+stands in for cluster DNS and answers 127.0.0.1 for every Service name. Informers, the Lease
+and the status writer are not in it (bench-serving measures them, with the probes).
+
+    python bench/probe_cost.py [--n 1000] [--windows 3] [--window 60]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from aiohttp.abc import AbstractResolver, ResolveResult
+from vllm_dp_operator.config import Config
+from vllm_dp_operator.engines.probe import TransportProbe
+from vllm_dp_operator.engines.prober import ProbePool, Target
+from vllm_dp_operator.engines.transport import ServiceDnsTransport
+from vllm_dp_operator.observability.metrics import OperatorMetrics
+
+REPO = Path(__file__).resolve().parents[1]
+DOUBLE = REPO / "tests" / "doubles" / "engine_fleet.py"
+
+
+class LoopbackDns(AbstractResolver):
+    """Test double for cluster DNS: every name is 127.0.0.1, where the engine double listens."""
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET,
+                 "proto": 0, "flags": socket.AI_NUMERICHOST}]  # fmt: skip
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gets(port: int, since: float) -> int:
+    """The GETs the double served since `since` (epoch seconds)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/_double/stats?since={since}") as r:
+        stats = json.load(r)
+    return int(stats["health"]["gets"] + stats["metrics"]["gets"])
+
+
+async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
+    cfg = Config()
+    transport = ServiceDnsTransport(cfg.health_timeout_seconds, resolver=LoopbackDns())
+    metrics = OperatorMetrics(lambda: (), lambda: ())
+    wakes = 0
+
+    def wake(_key: tuple[str, str]) -> None:
+        nonlocal wakes
+        wakes += 1
+
+    pool = ProbePool(TransportProbe(transport), wake, concurrency=cfg.probe_concurrency,
+                     launching_seconds=cfg.probe_launching_seconds,
+                     serving_seconds=cfg.probe_serving_seconds,
+                     on_loads=metrics.set_engine_loads)  # fmt: skip
+    tasks = pool.start()
+    # Registered over one serving period, so the probes are spread as in a steady state
+    # rather than all due at once.
+    for i in range(args.n):
+        pool.health(Target(f"ns{i}", f"vdp{i}", f"vdp{i}-head-svc", port, f"vdp{i}-job"))
+        await asyncio.sleep(cfg.probe_serving_seconds / args.n)
+    await asyncio.sleep(args.settle)
+    rows = []
+    for _ in range(args.windows):
+        cpu0, wall0, t0, wakes0 = time.process_time(), time.monotonic(), time.time(), wakes
+        await asyncio.sleep(args.window)
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        n_gets = await asyncio.to_thread(gets, port, t0)
+        rows.append({"cpu_pct": 100 * cpu / wall, "gets_per_s": n_gets / wall,
+                     "cpu_ms_per_get": 1000 * cpu / max(n_gets, 1),
+                     "wakes_per_s": (wakes - wakes0) / wall})  # fmt: skip
+        print("P7b window: " + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items()), flush=True)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await transport.close()
+    return {"n": args.n, "windows": rows,
+            "steady": {k: median(r[k] for r in rows) for k in rows[0]},
+            "spread": {k: [min(r[k] for r in rows), max(r[k] for r in rows)] for k in rows[0]}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=1000, help="resources Serving")
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--window", type=float, default=60, help="seconds per window")
+    parser.add_argument("--settle", type=float, default=10,
+                        help="seconds after the last registration before the first window")
+    args = parser.parse_args()
+    port = free_port()
+    double = subprocess.Popen([sys.executable, str(DOUBLE), "--host", "127.0.0.1",
+                               "--port", str(port)], env={**os.environ})  # fmt: skip
+    try:
+        for _ in range(100):
+            try:
+                gets(port, time.time())
+                break
+            except OSError:
+                time.sleep(0.1)
+        out = asyncio.run(run(args, port))
+    finally:
+        double.terminate()
+        double.wait(timeout=10)
+    results = REPO / "bench" / "results" / "probe-cost.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(out, indent=2) + "\n")
+    st = out["steady"]
+    print(json.dumps({"p7b_n": args.n, "p7b_probe_cpu_pct": round(st["cpu_pct"], 3),
+                      "p7b_gets_per_s": round(st["gets_per_s"], 2),
+                      "p7b_cpu_ms_per_get": round(st["cpu_ms_per_get"], 3),
+                      "results": str(results.relative_to(REPO))}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
