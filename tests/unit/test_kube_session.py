@@ -45,6 +45,21 @@ async def beds() -> AsyncIterator[tuple[Hits, str, Hits, str]]:
     await proxy_runner.cleanup()
 
 
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+
+
+def _env(mp: pytest.MonkeyPatch, http_proxy: str | None = None,
+         no_proxy: str | None = None) -> None:  # fmt: skip
+    """Only these proxy variables set, in both spellings (aiohttp reads either)."""
+    for var in PROXY_VARS:
+        for name in (var, var.lower()):
+            mp.delenv(name, raising=False)
+    for var, value in (("HTTP_PROXY", http_proxy), ("NO_PROXY", no_proxy)):
+        if value is not None:
+            mp.setenv(var, value)
+            mp.setenv(var.lower(), value)
+
+
 async def _get(host: str, proxy: str | None = None) -> client.ApiClient:
     cfg = client.Configuration(host=host)
     cfg.proxy = proxy
@@ -58,9 +73,7 @@ async def test_the_session_reads_no_environment_per_request(
     beds: tuple[Hits, str, Hits, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api_hits, api_url, proxy_hits, _ = beds
-    for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
-                "all_proxy", "NO_PROXY", "no_proxy"):  # fmt: skip
-        monkeypatch.delenv(var, raising=False)
+    _env(monkeypatch)
     api = await _get(api_url)
     try:
         assert api.rest_client.pool_manager.trust_env is False
@@ -74,11 +87,7 @@ async def test_a_proxy_in_the_environment_is_still_used(
     beds: tuple[Hits, str, Hits, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api_hits, api_url, proxy_hits, proxy_url = beds
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
-    user_proxy = proxy_url.replace("http://", "http://user:secret@")
-    monkeypatch.setenv("HTTP_PROXY", user_proxy)
-    monkeypatch.setenv("http_proxy", user_proxy)
+    _env(monkeypatch, http_proxy=proxy_url.replace("http://", "http://user:secret@"))
     api = await _get(api_url)
     try:
         assert api_hits.paths == []
@@ -92,10 +101,7 @@ async def test_no_proxy_bypasses_it(
     beds: tuple[Hits, str, Hits, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api_hits, api_url, proxy_hits, proxy_url = beds
-    monkeypatch.setenv("HTTP_PROXY", proxy_url)
-    monkeypatch.setenv("http_proxy", proxy_url)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    _env(monkeypatch, http_proxy=proxy_url, no_proxy="127.0.0.1")
     api = await _get(api_url)
     try:
         assert api_hits.paths == ["/api/v1/namespaces"] and proxy_hits.paths == []
@@ -107,10 +113,7 @@ async def test_the_kubeconfigs_proxy_wins_over_the_environment(
     beds: tuple[Hits, str, Hits, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     api_hits, api_url, proxy_hits, proxy_url = beds
-    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens: would fail
-    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
+    _env(monkeypatch, http_proxy="http://127.0.0.1:9")  # nothing listens there: would fail
     api = await _get(api_url, proxy=proxy_url)
     try:
         assert api_hits.paths == [] and proxy_hits.paths == [f"{api_url}/api/v1/namespaces"]
