@@ -116,6 +116,7 @@ def shipped_settings(**over: str) -> dict[str, str]:
         "VLLMDP_RESYNC_SECONDS": str(d.resync_seconds),
         "VLLMDP_PROBE_LAUNCHING_SECONDS": str(d.probe_launching_seconds),
         "VLLMDP_PROBE_SERVING_SECONDS": str(d.probe_serving_seconds),
+        "VLLMDP_PROBE_METRICS_SECONDS": str(d.probe_metrics_seconds),
         "VLLMDP_HEALTH_TIMEOUT_SECONDS": str(d.health_timeout_seconds),
         "VLLMDP_BACKOFF_BASE_SECONDS": str(d.backoff_base_seconds),
         "VLLMDP_BACKOFF_CAP_SECONDS": str(d.backoff_cap_seconds),

@@ -11,7 +11,12 @@ per-rank gauges (`OperatorMetrics.set_engine_loads`), against the engine test do
 stands in for cluster DNS and answers 127.0.0.1 for every Service name. Informers, the Lease
 and the status writer are not in it (bench-serving measures them, with the probes).
 
-    python bench/probe_cost.py [--n 1000] [--windows 3] [--window 60]
+Side by side in one run, the same pool alternates between two /metrics cadences
+(`--metrics-seconds`): the shipped one (`healthProbe.metricsSeconds`, once a minute) and 0
+(/metrics with every /health, as before it existed). Each window follows a settle of
+`--switch` seconds after the cadence changed.
+
+    python bench/probe_cost.py [--n 1000] [--rounds 3] [--window 60] [--metrics-seconds 60,0]
 
 The last line printed is one JSON object.
 """
@@ -61,11 +66,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def gets(port: int, since: float) -> int:
-    """The GETs the double served since `since` (epoch seconds)."""
+def gets(port: int, since: float) -> tuple[int, int]:
+    """The /health and the /metrics GETs the double served since `since` (epoch seconds)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/_double/stats?since={since}") as r:
         stats = json.load(r)
-    return int(stats["health"]["gets"] + stats["metrics"]["gets"])
+    return int(stats["health"]["gets"]), int(stats["metrics"]["gets"])
 
 
 async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
@@ -78,9 +83,10 @@ async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
         nonlocal wakes
         wakes += 1
 
+    variants = [float(x) for x in args.metrics_seconds.split(",")]
     pool = ProbePool(TransportProbe(transport), wake, concurrency=cfg.probe_concurrency,
                      launching_seconds=cfg.probe_launching_seconds,
-                     serving_seconds=cfg.probe_serving_seconds,
+                     serving_seconds=cfg.probe_serving_seconds, metrics_seconds=variants[0],
                      on_loads=metrics.set_engine_loads)  # fmt: skip
     tasks = pool.start()
     # Registered over one serving period, so the probes are spread as in a steady state
@@ -88,33 +94,41 @@ async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
     for i in range(args.n):
         pool.health(Target(f"ns{i}", f"vdp{i}", f"vdp{i}-head-svc", port, f"vdp{i}-job"))
         await asyncio.sleep(cfg.probe_serving_seconds / args.n)
-    await asyncio.sleep(args.settle)
-    rows = []
-    for _ in range(args.windows):
-        cpu0, wall0, t0, wakes0 = time.process_time(), time.monotonic(), time.time(), wakes
-        await asyncio.sleep(args.window)
-        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-        n_gets = await asyncio.to_thread(gets, port, t0)
-        rows.append({"cpu_pct": 100 * cpu / wall, "gets_per_s": n_gets / wall,
-                     "cpu_ms_per_get": 1000 * cpu / max(n_gets, 1),
-                     "wakes_per_s": (wakes - wakes0) / wall})  # fmt: skip
-        print("P7b window: " + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items()), flush=True)
+    rows: dict[float, list[dict[str, float]]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            pool.metrics_seconds = v
+            await asyncio.sleep(args.switch)
+            cpu0, wall0, t0, wakes0 = time.process_time(), time.monotonic(), time.time(), wakes
+            await asyncio.sleep(args.window)
+            cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+            health, reads = await asyncio.to_thread(gets, port, t0)
+            rows[v].append({"cpu_pct": 100 * cpu / wall, "gets_per_s": (health + reads) / wall,
+                            "metrics_reads_per_s": reads / wall,
+                            "cpu_ms_per_get": 1000 * cpu / max(health + reads, 1),
+                            "wakes_per_s": (wakes - wakes0) / wall})  # fmt: skip
+            print(f"P7b window, metrics every {v:g} s: "
+                  + ", ".join(f"{k} {x:.3g}" for k, x in rows[v][-1].items()), flush=True)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await transport.close()
-    return {"n": args.n, "windows": rows,
-            "steady": {k: median(r[k] for r in rows) for k in rows[0]},
-            "spread": {k: [min(r[k] for r in rows), max(r[k] for r in rows)] for k in rows[0]}}
+    return {"n": args.n, "variants": {
+        f"metrics_seconds={v:g}": {
+            "windows": r, "steady": {k: median(w[k] for w in r) for k in r[0]},
+            "spread": {k: [min(w[k] for w in r), max(w[k] for w in r)] for k in r[0]}}
+        for v, r in rows.items()}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1000, help="resources Serving")
-    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="windows per cadence")
     parser.add_argument("--window", type=float, default=60, help="seconds per window")
-    parser.add_argument("--settle", type=float, default=10,
-                        help="seconds after the last registration before the first window")
+    parser.add_argument("--switch", type=float, default=60,
+                        help="seconds between a change of cadence and its window")
+    parser.add_argument("--metrics-seconds", default=f"{Config().probe_metrics_seconds:g},0",
+                        help="the /metrics cadences compared, the shipped one first")
     args = parser.parse_args()
     port = free_port()
     double = subprocess.Popen([sys.executable, str(DOUBLE), "--host", "127.0.0.1",
@@ -133,11 +147,17 @@ def main() -> None:
     results = REPO / "bench" / "results" / "probe-cost.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(out, indent=2) + "\n")
-    st = out["steady"]
-    print(json.dumps({"p7b_n": args.n, "p7b_probe_cpu_pct": round(st["cpu_pct"], 3),
-                      "p7b_gets_per_s": round(st["gets_per_s"], 2),
-                      "p7b_cpu_ms_per_get": round(st["cpu_ms_per_get"], 3),
-                      "results": str(results.relative_to(REPO))}))  # fmt: skip
+    shipped, *others = out["variants"].values()
+    st = shipped["steady"]
+    line = {"p7b_n": args.n, "p7b_probe_cpu_pct": round(st["cpu_pct"], 3),
+            "p7b_gets_per_s": round(st["gets_per_s"], 2),
+            "p7b_metrics_reads_per_s": round(st["metrics_reads_per_s"], 2),
+            "p7b_cpu_ms_per_get": round(st["cpu_ms_per_get"], 3)}
+    if others:
+        other = others[0]["steady"]
+        line["p7b_cpu_pct_metrics_every_probe"] = round(other["cpu_pct"], 3)
+        line["p7b_cpu_ratio"] = round(st["cpu_pct"] / other["cpu_pct"], 3)
+    print(json.dumps({**line, "results": str(results.relative_to(REPO))}))
 
 
 if __name__ == "__main__":

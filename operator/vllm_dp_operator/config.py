@@ -210,6 +210,9 @@ class Config:
     #: VLLMDP_PROBE_SERVING_SECONDS: /health probe period while Serving (+-10% jitter): an
     #: engine that stops answering is noticed within 1.1 x this + the probe timeout.
     probe_serving_seconds: float = 30.0
+    #: VLLMDP_PROBE_METRICS_SECONDS: /metrics is read with a probe's ok /health at most about
+    #: this often (and with the first ok answer after a failure); 0: with every ok /health.
+    probe_metrics_seconds: float = 60.0
     #: VLLMDP_UNROUTE_AFTER_FAILURES and VLLMDP_UNROUTE_AFTER_SECONDS: a head job that has
     #: served stops being routed on the operator's word alone only after this many failed
     #: probes in a row, spanning at least this long. The operator failing to ask (a timeout,
@@ -280,6 +283,7 @@ class Config:
             resync_seconds=_env_float("VLLMDP_RESYNC_SECONDS", 600.0),
             probe_launching_seconds=_env_float("VLLMDP_PROBE_LAUNCHING_SECONDS", 5.0),
             probe_serving_seconds=_env_float("VLLMDP_PROBE_SERVING_SECONDS", 30.0),
+            probe_metrics_seconds=_env_float("VLLMDP_PROBE_METRICS_SECONDS", 60.0),
             unroute_after_failures=_env_int("VLLMDP_UNROUTE_AFTER_FAILURES", 3),
             unroute_after_seconds=_env_float("VLLMDP_UNROUTE_AFTER_SECONDS", 90.0),
             workers=_env_int("VLLMDP_WORKERS", 16),

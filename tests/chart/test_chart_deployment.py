@@ -18,6 +18,7 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_ENGINE_FS_GROUP",
              "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS",
              "VLLMDP_PROBE_LAUNCHING_SECONDS", "VLLMDP_PROBE_SERVING_SECONDS",
+             "VLLMDP_PROBE_METRICS_SECONDS",
              "VLLMDP_PROBE_CONCURRENCY", "VLLMDP_PROXY_QPS",
              "VLLMDP_UNROUTE_AFTER_FAILURES", "VLLMDP_UNROUTE_AFTER_SECONDS",
              "VLLMDP_CLUSTER_DOMAIN", "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS",
@@ -189,7 +190,7 @@ def test_values_reach_the_environment(helm_bin: str, tmp_path: Path) -> None:
     values.write_text(yaml.safe_dump({
         "engineImage": "registry.example.com/engine:1",
         "healthProbe": {"mode": "off", "timeoutSeconds": 1.5, "launchingSeconds": 3,
-                        "servingSeconds": 45},
+                        "servingSeconds": 45, "metricsSeconds": 90},
         "resyncSeconds": 30, "workers": 8, "backoff": {"baseSeconds": 2, "capSeconds": 64},
         "socketIfname": "ens5", "engineFsGroup": 3000, "stopConfirmSeconds": 90}))
     env = _env(_deployment((values,)))
@@ -199,6 +200,7 @@ def test_values_reach_the_environment(helm_bin: str, tmp_path: Path) -> None:
     assert env["VLLMDP_WORKERS"] == "8"
     assert env["VLLMDP_PROBE_LAUNCHING_SECONDS"] == "3"
     assert env["VLLMDP_PROBE_SERVING_SECONDS"] == "45"
+    assert env["VLLMDP_PROBE_METRICS_SECONDS"] == "90"
     assert env["VLLMDP_BACKOFF_BASE_SECONDS"] == "2"
     assert env["VLLMDP_BACKOFF_CAP_SECONDS"] == "64"
     assert env["VLLMDP_HEALTH_TIMEOUT_SECONDS"] == "1.5"
@@ -219,6 +221,7 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert int(env["VLLMDP_WORKERS"]) == defaults.workers
     assert float(env["VLLMDP_PROBE_LAUNCHING_SECONDS"]) == defaults.probe_launching_seconds
     assert float(env["VLLMDP_PROBE_SERVING_SECONDS"]) == defaults.probe_serving_seconds
+    assert float(env["VLLMDP_PROBE_METRICS_SECONDS"]) == defaults.probe_metrics_seconds
     assert int(env["VLLMDP_PROBE_CONCURRENCY"]) == defaults.probe_concurrency
     assert float(env["VLLMDP_PROXY_QPS"]) == defaults.proxy_qps
     assert int(env["VLLMDP_UNROUTE_AFTER_FAILURES"]) == defaults.unroute_after_failures

@@ -23,6 +23,7 @@ OPERATOR_ENV = {
     "VLLMDP_RESYNC_SECONDS": "600",
     "VLLMDP_PROBE_LAUNCHING_SECONDS": "1",
     "VLLMDP_PROBE_SERVING_SECONDS": "2",
+    "VLLMDP_PROBE_METRICS_SECONDS": "2",
     # A served engine loses its route after 3 failed probes over 6 s here (90 s by default).
     "VLLMDP_UNROUTE_AFTER_SECONDS": "6",
     "VLLMDP_BACKOFF_BASE_SECONDS": "2",

@@ -43,7 +43,8 @@ NAMESPACE = "vllm-dp-system"
 # take. Everything else is the chart's.
 VALUES = (f"image.repository={IMAGE}", f"image.tag={images.TAG}", "image.pullPolicy=Never",
           "healthProbe.mode=service-dns", "healthProbe.launchingSeconds=2",
-          "healthProbe.servingSeconds=5", "backoff.baseSeconds=5", "backoff.capSeconds=60",
+          "healthProbe.servingSeconds=5", "healthProbe.metricsSeconds=5",
+          "backoff.baseSeconds=5", "backoff.capSeconds=60",
           "stopConfirmSeconds=30", "resources.requests.cpu=0")  # fmt: skip
 
 

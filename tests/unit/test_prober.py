@@ -22,6 +22,9 @@ class EngineDouble:
         self.hung: set[str] = set()
         self.loads: dict[str, dict[int, EngineLoad]] = {}
         self.asked: list[str] = []
+        #: /metrics reads, and the services whose /metrics cannot be read.
+        self.reads: list[str] = []
+        self.unreadable: set[str] = set()
         self.completes: dict[str, bool] = {}
         self.completions: list[tuple[str, str, bool]] = []
         self.in_flight = 0
@@ -38,6 +41,9 @@ class EngineDouble:
             self.in_flight -= 1
 
     async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+        self.reads.append(service)
+        if service in self.unreadable:
+            return EngineReading(None, f"{service} /metrics: HTTP 500")
         return EngineReading(self.loads.get(service, {}), f"{service} /metrics")
 
     async def complete(
@@ -62,10 +68,11 @@ async def until(check: Any, timeout: float = 2.0) -> None:
 
 def pool(engines: EngineDouble, woken: list[Any], concurrency: int = 4,
          period: float = 0.01, loads: dict[Any, Mapping[int, Any] | None] | None = None,
-         ) -> ProbePool:  # fmt: skip
+         metrics_seconds: float = 0.0) -> ProbePool:  # fmt: skip
     sink = loads if loads is not None else {}
     return ProbePool(engines, woken.append, concurrency=concurrency, launching_seconds=period,
-                     serving_seconds=period, on_loads=sink.__setitem__)  # fmt: skip
+                     serving_seconds=period, metrics_seconds=metrics_seconds,
+                     on_loads=sink.__setitem__)  # fmt: skip
 
 
 async def test_a_hung_engine_does_not_hold_a_reconcile_worker() -> None:
@@ -150,6 +157,47 @@ async def test_wakes_on_a_change_only_and_feeds_per_rank_load_without_a_wake() -
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_metrics_are_read_once_a_period_and_with_the_first_answer_after_a_failure() -> None:
+    """/health every probe; /metrics (the costly read) only once 0.8 x metrics_seconds passed
+    since the last read, with the first ok answer after a failure, and again at once after a
+    read that failed."""
+    engines, woken = EngineDouble(), []
+    svc = "a-head-svc"
+    engines.ok[svc] = True
+    p = ProbePool(engines, woken.append, concurrency=2, launching_seconds=3600,
+                  serving_seconds=3600, metrics_seconds=60)  # fmt: skip
+    now = [1000.0]
+    p._now = lambda: now[0]  # type: ignore[method-assign]  # the pool's clock, stepped here
+    task = p.start()[0]
+
+    async def probe_at(at: float) -> int:
+        """Probe once at time `at`; the /metrics reads so far."""
+        now[0], asked = at, len(engines.asked)
+        if asked:
+            p.nudge(("ns", "a"))
+        else:
+            p.health(target("a"))  # the first probe: at once on registration
+        await until(lambda: len(engines.asked) == asked + 1 and engines.in_flight == 0)
+        return len(engines.reads)
+
+    try:
+        assert await probe_at(1000) == 1  # the first answer is read
+        assert await probe_at(1030) == 1  # 30 s later: /health only
+        assert await probe_at(1049) == 2  # 49 s after the read: due (48 s)
+        engines.ok[svc] = False
+        assert await probe_at(1050) == 2  # a failed /health: no /metrics
+        engines.ok[svc] = True
+        assert await probe_at(1051) == 3  # back: read at once, not 48 s after the last
+        engines.unreadable.add(svc)
+        assert await probe_at(1100) == 4 and p.reading(target("a")).loads is None
+        engines.unreadable.clear()
+        assert await probe_at(1101) == 5  # a read that failed is tried again next probe
+        assert await probe_at(1102) == 5
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_new_head_job_starts_unprobed_and_a_nudge_probes_at_once() -> None:
     engines, woken = EngineDouble(), []
     engines.ok["a-head-svc"] = True
@@ -172,10 +220,11 @@ async def test_a_new_head_job_starts_unprobed_and_a_nudge_probes_at_once() -> No
 
 async def test_a_candidate_is_asked_one_completion_after_health_and_until_it_answers() -> None:
     """A Surge's new head: a completion only once /health answers, again while it fails,
-    never again once it answered; its answer is news that wakes the resource."""
+    never again once it answered; its answer is news that wakes the resource. It does not
+    wait for /metrics to be due (read once here, with the first answer)."""
     engines, woken = EngineDouble(), []
     svc = "a-head-svc"
-    p = pool(engines, woken)
+    p = pool(engines, woken, metrics_seconds=3600)
     candidate = Target("ns", "a", svc, 8000, "j2", "llama", True)
     task = p.start()[0]
     try:
@@ -184,6 +233,7 @@ async def test_a_candidate_is_asked_one_completion_after_health_and_until_it_ans
         assert engines.completions == []  # /health not answering: no completion asked
         engines.ok[svc] = True
         await until(lambda: len(engines.completions) >= 2)
+        assert engines.reads == [svc]
         answer = p.completion(candidate)
         assert answer is not None and not answer.ok
         engines.completes[svc] = True

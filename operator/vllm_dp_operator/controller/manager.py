@@ -212,6 +212,7 @@ class Controller:
         self.probes = ProbePool(probe, self._probe_changed, concurrency=cfg.probe_concurrency,
                                 launching_seconds=cfg.probe_launching_seconds,
                                 serving_seconds=cfg.probe_serving_seconds,
+                                metrics_seconds=cfg.probe_metrics_seconds,
                                 on_loads=self.metrics.set_engine_loads, reports=self.reports,
                                 probing=cfg.health_probe != PROBES_OFF)  # fmt: skip
 

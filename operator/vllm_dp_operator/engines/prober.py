@@ -1,6 +1,11 @@
 """Probes off the reconcile path: a bounded pool asks each head for /health and /metrics on its
 own cadence, and wakes the resource only when what it learned changed.
 
+/health is asked every period; /metrics (about 300 KiB for 8 ranks) with it only once
+METRICS_DUE of `metrics_seconds` has passed since the last read, and always with the first
+answer after a failure: once a minute with the defaults, which is as often as status.load may
+move (engines/load_summary.py); half the /metrics reads of one per 30 s probe.
+
 A reconcile reads the pool's latest answer for its head job and never waits on an engine: a
 hung or unreachable engine holds one of the pool's slots for at most the transport's timeout,
 and no reconcile worker at all. What the pool learns wakes the resource's reconcile only when
@@ -37,6 +42,9 @@ Key = tuple[str, str]
 #: A resource's key and whether the target is a Surge's new generation.
 Slot = tuple[str, str, bool]
 NOT_PROBED = ProbeResult(False, "not probed yet")
+#: /metrics is read on the first probe at least this share of `metrics_seconds` after the last
+#: read: the +-10 % jitter of the period never pushes a 60 s read to the third 30 s probe.
+METRICS_DUE = 0.8
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,8 @@ class _Entry:
     #: Whether /health ever answered 200 for this head job: the slower cadence from then on.
     served: bool = False
     due: float = 0.0
+    #: When /metrics was last read (loop time; None: read with the next ok /health).
+    metrics_at: float | None = None
     busy: bool = False
     #: A nudge came while a probe was in flight: probe again as soon as it is back.
     again: bool = False
@@ -120,7 +130,7 @@ class ProbePool:
 
     def __init__(
         self, probe: HealthProbe, wake: Callable[[Key], None], *, concurrency: int,
-        launching_seconds: float, serving_seconds: float,
+        launching_seconds: float, serving_seconds: float, metrics_seconds: float = 0.0,
         on_loads: Callable[[Key, Mapping[int, Any] | None], None] | None = None,
         reports: LaunchReports | None = None, probing: bool = True,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -130,6 +140,8 @@ class ProbePool:
         #: off: never, and the reports alone tell of serving).
         self._reports, self._probing = reports, probing
         self._launching, self._serving = launching_seconds, serving_seconds
+        #: At most how often /metrics is read per target (0: with every ok /health).
+        self.metrics_seconds = metrics_seconds
         self._slots = asyncio.Semaphore(concurrency)
         self._clock = clock
         self._entries: dict[Slot, _Entry] = {}
@@ -198,6 +210,10 @@ class ProbePool:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
+    def _metrics_due(self, entry: _Entry) -> bool:
+        last = entry.metrics_at
+        return last is None or self._now() - last >= METRICS_DUE * self.metrics_seconds
+
     def _schedule(self, slot: Slot, entry: _Entry, delay: float) -> None:
         entry.due = self._now() + delay
         self._seq += 1
@@ -243,7 +259,9 @@ class ProbePool:
             answer = await self._probe.check(t.namespace, t.service, t.port)
             reading, completion = None, entry.completion
             if answer.ok:
-                reading = await self._probe.engines(t.namespace, t.service, t.port)
+                if not entry.health.ok or self._metrics_due(entry):
+                    entry.metrics_at = self._now()
+                    reading = await self._probe.engines(t.namespace, t.service, t.port)
                 if t.complete_model is not None and not (completion and completion.ok):
                     completion = await self._probe.complete(
                         t.namespace, t.service, t.port, t.complete_model, t.complete_keyed)
@@ -275,6 +293,8 @@ class ProbePool:
             entry.health = ProbeResult(False, answer.detail, failures, since)
         if reading is not None:
             entry.reading = reading
+            if reading.loads is None:
+                entry.metrics_at = None  # not read: try again with the next probe
             # The resource's load is its serving generation's; a new one's is not yet.
             if self._on_loads is not None and reading.loads is not None and not candidate:
                 self._on_loads(key, reading.loads)
