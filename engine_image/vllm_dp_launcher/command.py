@@ -13,6 +13,12 @@ PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 # Ray actors do not inherit the driver's environment; without these prefixes the engine
 # actors lose GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME and pick the wrong NIC.
 REQUIRED_PREFIXES = ("GLOO_", "NCCL_")
+#: vLLM's API server closes an idle HTTP connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds
+#: (5 by default). The operator asks /health every 30 s over one kept connection per Service,
+#: and a load balancer in front of the Service typically keeps idle connections 60 s: with 5 s
+#: each probe opened a new connection, and a balancer could reuse one vLLM had just closed.
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+KEEP_ALIVE_SECONDS = 75
 # Shown in --dry-run when no address can be resolved; the pod sets VLLM_HOST_IP from its IP.
 ADDRESS_PLACEHOLDER = "$(VLLM_HOST_IP)"
 
@@ -44,6 +50,8 @@ def engine_env_overrides(
     merged = {**inherited, **overrides}
     if host_ip is not None and not merged.get(HOST_IP_ENV):
         overrides[HOST_IP_ENV] = host_ip
+    if not merged.get(KEEP_ALIVE_ENV):
+        overrides[KEEP_ALIVE_ENV] = str(KEEP_ALIVE_SECONDS)
     prefixes = _with_required_prefixes(merged.get(PREFIXES_ENV))
     if prefixes != merged.get(PREFIXES_ENV):
         overrides[PREFIXES_ENV] = prefixes

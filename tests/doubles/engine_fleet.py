@@ -375,8 +375,10 @@ def main() -> None:
                         help="mean time between an engine's traffic shifts")  # fmt: skip
     args = parser.parse_args()
     fleet = Fleet(args.ranks, args.regime_seconds)
+    # Idle connections are kept as vLLM's API server keeps them when the launcher starts it
+    # (vllm_dp_launcher.command.KEEP_ALIVE_SECONDS).
     web.run_app(make_app(fleet), host=args.host, port=args.port, print=None,
-                access_log=None, backlog=4096)  # fmt: skip
+                access_log=None, backlog=4096, keepalive_timeout=75.0)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -84,7 +84,18 @@ def test_overrides_hold_only_what_the_launcher_sets() -> None:
     assert overrides == {
         "VLLM_HOST_IP": "10.0.0.7",
         "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "GLOO_,NCCL_",
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
     }
+
+
+def test_idle_connections_are_kept_75_s_unless_set() -> None:
+    """vLLM keeps an idle connection 75 s, not its own 5 s; a setting of the plan's or the
+    pod's own wins."""
+    assert engine_env(plan(), None, {})["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "75"
+    assert engine_env(plan(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9"}), None, {})[
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "9"
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in engine_env_overrides(
+        plan(), None, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "20"})
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,20 @@ from the API server answering for itself (a Status object: no endpoint, pod refu
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from aiohttp import web
+from aiohttp.abc import AbstractResolver, ResolveResult
 from kubernetes_asyncio import client
+from vllm_dp_launcher.command import KEEP_ALIVE_SECONDS
+from vllm_dp_operator.config import Config
 from vllm_dp_operator.engines.probe import TransportProbe
 from vllm_dp_operator.engines.ray_dashboard import NOT_FOUND, UNKNOWN, DashboardJobs
 from vllm_dp_operator.engines.transport import (
+    PROBE_KEEPALIVE_SECONDS,
     ApiServerProxyTransport,
     DisabledTransport,
     ServiceDnsTransport,
@@ -200,3 +205,56 @@ async def test_the_api_server_proxy_is_rate_limited() -> None:
         await limit.take()
     assert slept == []
     await RateLimit(qps=0, burst=1).take()  # 0: no limit
+
+
+class _Loopback(AbstractResolver):
+    """Test double for cluster DNS: every Service name is 127.0.0.1."""
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET,
+                 "proto": 0, "flags": socket.AI_NUMERICHOST}]  # fmt: skip
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+async def test_service_dns_probes_reuse_one_connection_per_service() -> None:
+    """Probes of one Service go over one kept connection (no handshake, no DNS lookup per
+    probe), and one the pod closed meanwhile is replaced without a failed probe."""
+    peers: list[int] = []
+
+    async def health(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, keepalive_timeout=KEEP_ALIVE_SECONDS)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    transport = ServiceDnsTransport(2, resolver=_Loopback())
+    try:
+        probe = TransportProbe(transport)
+        for _ in range(3):
+            assert (await probe.check("ns1", "demo-abcde-head-svc", port)).ok
+        assert len(peers) == 3 and len(set(peers)) == 1
+        await runner.shutdown()  # the server closes its idle connections
+        await runner.cleanup()
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        assert (await probe.check("ns1", "demo-abcde-head-svc", port)).ok
+        assert len(set(peers)) == 2
+    finally:
+        await transport.close()
+        await runner.cleanup()
+
+
+def test_kept_connections_outlive_the_probe_period_and_not_the_engines() -> None:
+    """The client keeps an idle connection past the next serving probe (30 s, +10 %), and
+    drops it before vLLM would (the launcher's VLLM_HTTP_TIMEOUT_KEEP_ALIVE)."""
+    assert Config().probe_serving_seconds * 1.1 < PROBE_KEEPALIVE_SECONDS < KEEP_ALIVE_SECONDS

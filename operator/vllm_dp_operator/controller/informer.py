@@ -96,6 +96,7 @@ class Reflector:
         self.resource_version: str | None = None
         #: Counters for the liveness probe and tests.
         self.lists = 0
+        self.pages = 0  # LIST requests: a list of more than one page takes several
         self.watches = 0
         self.events = 0
         #: Why the latest attempt failed; None once a LIST succeeded after it.
@@ -211,6 +212,7 @@ class Reflector:
         while True:
             page = await self.api.list_page(self.kind, self.namespace, self.selector,
                                             self.page_size, cont)  # fmt: skip
+            self.pages += 1
             # Slimmed page by page: a relist holds at most one page as the API sent it (pod
             # templates, managedFields), never the whole unslimmed list.
             items += [slim(self.kind, raw) for raw in page.get("items") or []]

@@ -344,7 +344,19 @@ class Controller:
             "probed": len(self.probes),
             "wakes": {**self.wakes, "timer": self.queue.fired},
             "cached": {k.plural: self.cache.count(k) for k in (*CHILD_KINDS, VDP)},
+            "reflectors": self._reflector_requests(),
         }
+
+    def _reflector_requests(self) -> dict[str, dict[str, int]]:
+        """Per kind (its namespaces summed): relists, LIST pages and watch requests so far,
+        what the reflectors have cost the API server."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.reflectors:
+            row = out.setdefault(r.kind.plural, {"lists": 0, "pages": 0, "watches": 0})
+            row["lists"] += r.lists
+            row["pages"] += r.pages
+            row["watches"] += r.watches
+        return out
 
     def resource_states(self) -> list[tuple[Key, dict[str, Any]]]:
         """Every resource's status as the next reconcile will read it (pending changes laid

@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 
 #: VLLMDP_HEALTH_PROBE (chart: healthProbe.mode) value for no access to the pods' ports.
 PROBES_OFF = "off"
+#: How long an idle connection to a Service is kept for the next request: longer than the
+#: serving probe period (30 s, give or take a tenth), shorter than vLLM's own keep-alive as
+#: the launcher sets it (75 s, vllm_dp_launcher.command), so the server never closes a
+#: connection the client is about to reuse. A new TCP connection per probe was a fifth of
+#: the probes' CPU at 1,000 resources (docs/benchmarks.md, P7b).
+PROBE_KEEPALIVE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -67,15 +73,20 @@ class ServiceDnsTransport:
     """In the cluster: http://<service>.<namespace>.svc.<cluster domain>.:<port><path>.
 
     The name is absolute (see `names.service_fqdn`): no search-path lookups before each probe.
+    One idle connection per Service is kept between probes (PROBE_KEEPALIVE_SECONDS), so a
+    probe costs neither a DNS lookup nor a TCP handshake; a GET on a kept connection the pod
+    has closed meanwhile is sent again on a new one (aiohttp retries idempotent requests).
     """
 
     def __init__(
         self, timeout: float, cluster_domain: str = DEFAULT_CLUSTER_DOMAIN,
         resolver: aiohttp.abc.AbstractResolver | None = None,
+        keepalive: float = PROBE_KEEPALIVE_SECONDS,
     ) -> None:  # fmt: skip
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._domain = cluster_domain
         self._resolver = resolver  # None: aiohttp's default; tests pass a double
+        self._keepalive = keepalive
         self._session: aiohttp.ClientSession | None = None
 
     async def request(
@@ -86,7 +97,8 @@ class ServiceDnsTransport:
         """Send `method path` to service:port in namespace, within the timeout."""
         url = f"http://{names.service_fqdn(service, namespace, self._domain)}:{port}{path}"
         if self._session is None:
-            connector = aiohttp.TCPConnector(resolver=self._resolver) if self._resolver else None
+            connector = aiohttp.TCPConnector(resolver=self._resolver,
+                                             keepalive_timeout=self._keepalive)
             # The Ray job stop is a gated write; the fence checks it at the connection.
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector,
                                                   trace_configs=[fence_trace()])  # fmt: skip
