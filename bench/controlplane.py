@@ -48,6 +48,7 @@ from benchlib import (
     Testbed,
     median,
     operator_requests,
+    operator_requests_by_kind,
     pct,
 )
 from kubernetes_asyncio import client, config
@@ -398,13 +399,22 @@ async def _at_rest(b: Bench, seconds: float) -> dict[str, float]:
     lease0 = operator_requests(text, (LEASES,))
     if req0 == 0:
         raise RuntimeError("the operator's FlowSchema has counted no request: API figures void")
-    rec0 = b.op.health().get("reconciles", 0)
+    health0 = b.op.health()
+    rec0, refl0 = health0.get("reconciles", 0), health0.get("reflectors") or {}
+    by_kind0 = operator_requests_by_kind(text)
     await asyncio.sleep(seconds)
     text = await b.metrics()
     cpu1, req1 = b.op.cpu_seconds(), operator_requests(text)
     lease = operator_requests(text, (LEASES,)) - lease0
-    rec1 = b.op.health().get("reconciles", 0)
+    health1 = b.op.health()
+    rec1, refl1 = health1.get("reconciles", 0), health1.get("reflectors") or {}
+    by_kind = {k: v - by_kind0.get(k, 0.0) for k, v in operator_requests_by_kind(text).items()}
+    # Which requests, if any: per FlowSchema (reads fall in "other"), and the reflectors' own.
+    reflectors = {kind: {k: n - refl0.get(kind, {}).get(k, 0) for k, n in row.items()}
+                  for kind, row in refl1.items()}  # fmt: skip
     return {"cpu_pct": (cpu1 - cpu0) / seconds * 100, "api_rps": (req1 - req0) / seconds,
+            "requests_by_schema": by_kind,
+            "reflector_requests": {k: v for k, v in reflectors.items() if any(v.values())},
             "api_requests": req1 - req0, "lease_requests": lease,
             "api_rps_without_lease": (req1 - req0 - lease) / seconds,
             "requests_before": req0, "cpu_s": cpu1 - cpu0,
