@@ -126,7 +126,7 @@ bench-controlplane: ## P1-P4 of docs/benchmarks.md on the test bed; last line is
 bench-serving: ## P7 of docs/benchmarks.md: 1,000 resources Serving, then hung engines (BENCH_ARGS=--quick: 50); last line is one JSON object
 	$(BIN)/python bench/serving.py $(BENCH_ARGS)
 
-bench-probes: ## P7b of docs/benchmarks.md: the probes alone in cluster-DNS mode at 1,000 resources' full cadence (no bed, ~4 min); last line is one JSON object
+bench-probes: ## P7b of docs/benchmarks.md: the probes alone in cluster-DNS mode at 1,000 resources' full cadence (no bed, ~16 min); last line is one JSON object
 	$(BIN)/python bench/probe_cost.py $(BENCH_ARGS)
 
 images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths

@@ -11,12 +11,15 @@ per-rank gauges (`OperatorMetrics.set_engine_loads`), against the engine test do
 stands in for cluster DNS and answers 127.0.0.1 for every Service name. Informers, the Lease
 and the status writer are not in it (bench-serving measures them, with the probes).
 
-Side by side in one run, the same pool alternates between two /metrics cadences
-(`--metrics-seconds`): the shipped one (`healthProbe.metricsSeconds`, once a minute) and 0
-(/metrics with every /health, as before it existed). Each window follows a settle of
-`--switch` seconds after the cadence changed.
+Side by side in one run, the same pool alternates between variants (`--variants`, each
+`<metrics seconds>:<keep-alive seconds>`): the shipped one first (`healthProbe.metricsSeconds`,
+once a minute; idle connections kept 60 s, `PROBE_KEEPALIVE_SECONDS`), then the same without
+kept connections (aiohttp's 15 s, shorter than the 30 s cadence: a new connection per probe),
+then neither (/metrics with every /health), as before both. Each window follows a settle of
+`--switch` seconds after the variant changed; the previous variant's connections are closed
+then.
 
-    python bench/probe_cost.py [--n 1000] [--rounds 3] [--window 60] [--metrics-seconds 60,0]
+    python bench/probe_cost.py [--n 1000] [--rounds 3] [--window 60] [--variants 60:60,60:15,0:15]
 
 The last line printed is one JSON object.
 """
@@ -40,7 +43,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.engines.probe import TransportProbe
 from vllm_dp_operator.engines.prober import ProbePool, Target
-from vllm_dp_operator.engines.transport import ServiceDnsTransport
+from vllm_dp_operator.engines.transport import PROBE_KEEPALIVE_SECONDS, Answer, ServiceDnsTransport
 from vllm_dp_operator.observability.metrics import OperatorMetrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,9 +76,50 @@ def gets(port: int, since: float) -> tuple[int, int]:
     return int(stats["health"]["gets"]), int(stats["metrics"]["gets"])
 
 
+class Switch:
+    """Sends through whichever of the variants' transports is current."""
+
+    def __init__(self, transports: dict[float, ServiceDnsTransport]) -> None:
+        self.transports = transports
+        self.current = next(iter(transports.values()))
+
+    async def use(self, keepalive: float) -> None:
+        """Switch, closing the previous transport's connections."""
+        if self.transports[keepalive] is not self.current:
+            await self.current.close()
+            self.current = self.transports[keepalive]
+
+    async def request(self, method: str, namespace: str, service: str, port: int, path: str,
+                      limit: int | None = None, headers: Any = None,
+                      json_body: Any = None) -> Answer:  # fmt: skip
+        return await self.current.request(method, namespace, service, port, path, limit,
+                                          headers, json_body)  # fmt: skip
+
+    async def close(self) -> None:
+        for transport in self.transports.values():
+            await transport.close()
+
+
+def parse_variants(text: str) -> list[tuple[float, float]]:
+    """`60:60,60:15` -> [(60.0, 60.0), (60.0, 15.0)]: (metrics seconds, keep-alive seconds)."""
+    out = []
+    for item in text.split(","):
+        metrics, _, keep = item.partition(":")
+        out.append((float(metrics), float(keep or PROBE_KEEPALIVE_SECONDS)))
+    return out
+
+
+def label(variant: tuple[float, float]) -> str:
+    return f"metrics_seconds={variant[0]:g},keepalive_seconds={variant[1]:g}"
+
+
 async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
     cfg = Config()
-    transport = ServiceDnsTransport(cfg.health_timeout_seconds, resolver=LoopbackDns())
+    variants = parse_variants(args.variants)
+    transport = Switch({keep: ServiceDnsTransport(cfg.health_timeout_seconds,
+                                                  resolver=LoopbackDns(), keepalive=keep)
+                        for _, keep in variants})  # fmt: skip
+    await transport.use(variants[0][1])
     metrics = OperatorMetrics(lambda: (), lambda: ())
     wakes = 0
 
@@ -83,10 +127,9 @@ async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
         nonlocal wakes
         wakes += 1
 
-    variants = [float(x) for x in args.metrics_seconds.split(",")]
     pool = ProbePool(TransportProbe(transport), wake, concurrency=cfg.probe_concurrency,
                      launching_seconds=cfg.probe_launching_seconds,
-                     serving_seconds=cfg.probe_serving_seconds, metrics_seconds=variants[0],
+                     serving_seconds=cfg.probe_serving_seconds, metrics_seconds=variants[0][0],
                      on_loads=metrics.set_engine_loads)  # fmt: skip
     tasks = pool.start()
     # Registered over one serving period, so the probes are spread as in a steady state
@@ -94,10 +137,11 @@ async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
     for i in range(args.n):
         pool.health(Target(f"ns{i}", f"vdp{i}", f"vdp{i}-head-svc", port, f"vdp{i}-job"))
         await asyncio.sleep(cfg.probe_serving_seconds / args.n)
-    rows: dict[float, list[dict[str, float]]] = {v: [] for v in variants}
+    rows: dict[tuple[float, float], list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:
-            pool.metrics_seconds = v
+            pool.metrics_seconds = v[0]
+            await transport.use(v[1])
             await asyncio.sleep(args.switch)
             cpu0, wall0, t0, wakes0 = time.process_time(), time.monotonic(), time.time(), wakes
             await asyncio.sleep(args.window)
@@ -107,14 +151,14 @@ async def run(args: argparse.Namespace, port: int) -> dict[str, Any]:
                             "metrics_reads_per_s": reads / wall,
                             "cpu_ms_per_get": 1000 * cpu / max(health + reads, 1),
                             "wakes_per_s": (wakes - wakes0) / wall})  # fmt: skip
-            print(f"P7b window, metrics every {v:g} s: "
+            print(f"P7b window, {label(v)}: "
                   + ", ".join(f"{k} {x:.3g}" for k, x in rows[v][-1].items()), flush=True)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await transport.close()
     return {"n": args.n, "variants": {
-        f"metrics_seconds={v:g}": {
+        label(v): {
             "windows": r, "steady": {k: median(w[k] for w in r) for k in r[0]},
             "spread": {k: [min(w[k] for w in r), max(w[k] for w in r)] for k in r[0]}}
         for v, r in rows.items()}}
@@ -125,10 +169,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000, help="resources Serving")
     parser.add_argument("--rounds", type=int, default=3, help="windows per cadence")
     parser.add_argument("--window", type=float, default=60, help="seconds per window")
-    parser.add_argument("--switch", type=float, default=60,
+    parser.add_argument("--switch", type=float, default=40,
                         help="seconds between a change of cadence and its window")
-    parser.add_argument("--metrics-seconds", default=f"{Config().probe_metrics_seconds:g},0",
-                        help="the /metrics cadences compared, the shipped one first")
+    every = f"{Config().probe_metrics_seconds:g}"
+    parser.add_argument("--variants",
+                        default=f"{every}:{PROBE_KEEPALIVE_SECONDS:g},{every}:15,0:15",
+                        help="<metrics seconds>:<keep-alive seconds>,...: the shipped one first")
     args = parser.parse_args()
     port = free_port()
     double = subprocess.Popen([sys.executable, str(DOUBLE), "--host", "127.0.0.1",
@@ -154,9 +200,10 @@ def main() -> None:
             "p7b_metrics_reads_per_s": round(st["metrics_reads_per_s"], 2),
             "p7b_cpu_ms_per_get": round(st["cpu_ms_per_get"], 3)}
     if others:
-        other = others[0]["steady"]
-        line["p7b_cpu_pct_metrics_every_probe"] = round(other["cpu_pct"], 3)
-        line["p7b_cpu_ratio"] = round(st["cpu_pct"] / other["cpu_pct"], 3)
+        # Every variant's median, and the shipped one's ratio to the last (as before).
+        line["p7b_cpu_pct_by_variant"] = {
+            name: round(v["steady"]["cpu_pct"], 3) for name, v in out["variants"].items()}
+        line["p7b_cpu_ratio"] = round(st["cpu_pct"] / others[-1]["steady"]["cpu_pct"], 3)
     print(json.dumps({**line, "results": str(results.relative_to(REPO))}))
 
 
