@@ -22,6 +22,8 @@ DEFAULT_SHM_SIZE: Final = "16Gi"
 RAY_GCS_PORT: Final = 6379
 RAY_DASHBOARD_PORT: Final = 8265
 RAY_CLIENT_PORT: Final = 10001
+#: Each Ray node's dashboard agent; `/api/healthz` there is the node's health (Ray >= 2.53).
+RAY_AGENT_PORT: Final = 52365
 # Ports Ray and KubeRay take on every Ray pod (or on the head, which serves the API), each with
 # its owner: `vllm serve` on one of them fails to bind. Ranges are inclusive.
 RESERVED_PORTS: Final = (

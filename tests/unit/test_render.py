@@ -21,6 +21,7 @@ from vllm_dp_operator.render import (
     build_service,
     cluster_hash,
     launcher_entrypoint,
+    raycluster,
 )
 from vllm_dp_operator.render.meta import owner_reference
 
@@ -142,6 +143,36 @@ def test_raycluster_head_declares_ray_ports_and_the_serving_port() -> None:
     assert ports == {6379, 8265, 10001, 9000}
     [group] = cluster["spec"]["workerGroupSpecs"]
     assert "ports" not in container(group["template"])
+
+
+def test_ray_pods_are_probed_every_second_until_ray_is_healthy_then_as_kuberay_does() -> None:
+    cluster = cluster_of(BASE)
+    for head, template in zip((True, False), templates(cluster), strict=True):
+        c = container(template)
+        health = {"path": "/api/healthz", "port": constants.RAY_AGENT_PORT}
+        assert c["startupProbe"]["httpGet"] == health
+        assert c["startupProbe"]["periodSeconds"] == 1
+        # Ten minutes for Ray to come up; after that the kubelet restarts the container.
+        assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 600
+        ready = c["readinessProbe"]
+        # KubeRay's check and pace, without its 10 s delay (the startup probe went first).
+        assert ready["httpGet"] == health
+        assert (ready["initialDelaySeconds"], ready["periodSeconds"],
+                ready["failureThreshold"]) == (0, 5, 10)  # fmt: skip
+        assert ready["timeoutSeconds"] == c["startupProbe"]["timeoutSeconds"] == (5 if head else 2)
+        assert "livenessProbe" not in c  # KubeRay's own
+
+
+def test_probe_timing_is_not_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tuning the probes renames no cluster: an operator upgrade relaunches nothing for them.
+    before = cluster_of(BASE)
+    monkeypatch.setattr(raycluster, "STARTUP_PERIOD_SECONDS", 2)
+    after = cluster_of(BASE)
+    assert container(templates(after)[0])["startupProbe"]["periodSeconds"] == 2
+    assert after["metadata"]["name"] == before["metadata"]["name"]
+    spec = validate("demo", BASE)
+    assert cluster_hash("demo", spec, build_plan(spec), OPTIONS) == (
+        after["metadata"]["labels"][constants.LABEL_CLUSTER_HASH])
 
 
 def test_raycluster_pod_options_reach_every_pod() -> None:
