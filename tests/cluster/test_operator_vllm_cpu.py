@@ -102,6 +102,9 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
         if LAUNCHES:
             note("launch timeline (issue 22, p5):\n" + timeline.HEADER + "\n"
                  + "\n".join(la.row() for la in LAUNCHES))  # fmt: skip
+            note("last join to exec, in steps (s: whole-second witnesses):\n"
+                 + timeline.STEPS_HEADER + "\n"
+                 + "\n".join(la.steps_row() for la in LAUNCHES))  # fmt: skip
             note(json.dumps(timeline.summary(LAUNCHES)))
 
 
@@ -132,11 +135,18 @@ def launch_of(v: Vdp, label: str, applied: float, joined: bool) -> timeline.Laun
         stages[timeline.SERVING] - 5), 30)  # fmt: skip
     nodes = http(v.dashboard_url("/api/v0/nodes?detail=1&limit=100"), timeout=10,
                  headers=v.ray_headers())["data"]["result"]["result"]  # fmt: skip
+    rayjob = v.rayjob(job)
+    steps = {name: stages[name] for name in (timeline.CONNECTING, timeline.PREFLIGHT)
+             if name in stages}  # fmt: skip
+    if joined:
+        steps["pods Ready"] = timeline.ready_at(list(pods.values()))
+    if rayjob is not None:
+        steps["head job created"] = timeline.created_at(rayjob)
     return timeline.Launch(label, applied,
                            timeline.started_at(list(pods.values())) if joined else None,
                            timeline.last_join(nodes) if joined else None,
                            stages[timeline.ENGINE_STARTING], stages[timeline.SERVING],
-                           routed)  # fmt: skip
+                           routed, steps)  # fmt: skip
 
 
 def completion(url: str, via: Any) -> dict[str, Any]:

@@ -6,6 +6,10 @@
 - healthy: its `stage=serving` line, at vLLM's first 200 on /health (polled every 0.25 s);
 - routed: the moment a watch of the API Service's EndpointSlice saw its endpoint turn ready.
 
+Between the join and the exec, the steps in between (`Launch.steps`): the last Ray pod's
+Ready condition and the head job's creation (both whole seconds, the API server's), then the
+launcher's `connecting` and `preflight` lines.
+
 Stage lines come from the head container's log, where the launcher reports for the operator
 (vllm_dp_launcher.report); every clock is this host's (the bed's nodes share it).
 """
@@ -20,9 +24,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from vllm_dp_launcher.stages import ENGINE_STARTING, MARKER, SERVING, parse_stage_lines
+from vllm_dp_launcher.stages import (
+    CONNECTING,
+    ENGINE_STARTING,
+    MARKER,
+    PREFLIGHT,
+    SERVING,
+    parse_stage_lines,
+)
 
-__all__ = ["ENGINE_STARTING", "SERVING"]
+__all__ = ["CONNECTING", "ENGINE_STARTING", "PREFLIGHT", "SERVING"]
 
 
 @dataclass
@@ -109,6 +120,22 @@ def started_at(pods: list[dict[str, Any]]) -> float:
     return max(times)
 
 
+def _stamp(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def ready_at(pods: list[dict[str, Any]]) -> float:
+    """When the last of these pods turned Ready (epoch seconds, whole ones)."""
+    return max(_stamp(cond["lastTransitionTime"]) for pod in pods
+               for cond in (pod.get("status") or {}).get("conditions") or []
+               if cond.get("type") == "Ready" and cond.get("status") == "True")  # fmt: skip
+
+
+def created_at(obj: dict[str, Any]) -> float:
+    """An object's creationTimestamp (epoch seconds, whole ones)."""
+    return _stamp(obj["metadata"]["creationTimestamp"])
+
+
 def last_join(nodes: list[dict[str, Any]]) -> float:
     """When the last live Ray node started (Ray's state API, epoch seconds)."""
     return max(n["start_time_ms"] / 1000 for n in nodes if n.get("state") == "ALIVE")
@@ -125,6 +152,20 @@ class Launch:
     exec_: float
     healthy: float
     routed: float
+    #: Steps between the join and the exec, in order: name -> epoch seconds.
+    steps: dict[str, float] = field(default_factory=dict)
+
+    def steps_row(self) -> str:
+        """The join-to-exec steps, each from the one before (`-` without a join)."""
+        if self.joined is None:
+            return f"| {self.label} |" + " - |" * (len(STEPS) + 1)
+        cells, at = [], self.joined
+        for name in STEPS:
+            step = self.steps.get(name)
+            cells.append("-" if step is None else f"{(step - at) * 1000:.0f} ms")
+            at = step if step is not None else at
+        cells.append(f"{(self.exec_ - at) * 1000:.0f} ms")
+        return f"| {self.label} | " + " | ".join(cells) + " |"
 
     def row(self) -> str:
         def d(a: float | None, b: float | None) -> str:
@@ -144,6 +185,12 @@ class Launch:
 
 HEADER = ("| launch | apply → pods running | → Ray joined | → exec | → first healthy | "
           "→ routed |\n|---|---|---|---|---|---|")
+
+
+#: The steps between the last join and the exec, in the order they happen.
+STEPS = ("pods Ready", "head job created", CONNECTING, PREFLIGHT)
+STEPS_HEADER = ("| launch | join → pods Ready (s) | → head job created (s) | → launcher connecting "
+                "| → preflight | → exec |\n|---|---|---|---|---|---|")
 
 
 def summary(launches: list[Launch]) -> dict[str, Any]:
