@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 import threading
 import time
@@ -105,6 +106,10 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
             note("last join to exec, in steps (s: whole-second witnesses):\n"
                  + timeline.STEPS_HEADER + "\n"
                  + "\n".join(la.steps_row() for la in LAUNCHES))  # fmt: skip
+            if FLOORS:
+                note("floor, a Ray job that runs `true` with the head job's runtime env, "
+                     "submitted straight to the dashboard: submitted → ended "
+                     f"{[round(x) for x in FLOORS]} ms (median {statistics.median(FLOORS):.0f})")
             note(json.dumps(timeline.summary(LAUNCHES)))
 
 
@@ -112,6 +117,8 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
 ROUTES: list[timeline.RouteWatch] = []
 APPLIED: list[float] = []
 LAUNCHES: list[timeline.Launch] = []
+#: The floor of a Ray job's start in these pods, ms (test_p5_floor_of_a_ray_jobs_start).
+FLOORS: list[float] = []
 
 
 def launch_of(v: Vdp, label: str, applied: float, joined: bool) -> timeline.Launch:
@@ -142,11 +149,20 @@ def launch_of(v: Vdp, label: str, applied: float, joined: bool) -> timeline.Laun
         steps["pods Ready"] = timeline.ready_at(list(pods.values()))
     if rayjob is not None:
         steps["head job created"] = timeline.created_at(rayjob)
+    submitted = ray_job_start(v, job)
+    if submitted is not None:
+        steps[timeline.SUBMITTED] = submitted
     return timeline.Launch(label, applied,
                            timeline.started_at(list(pods.values())) if joined else None,
                            timeline.last_join(nodes) if joined else None,
                            stages[timeline.ENGINE_STARTING], stages[timeline.SERVING],
                            routed, steps)  # fmt: skip
+
+
+def ray_job_start(v: Vdp, submission_id: str) -> float | None:
+    """When Ray took the job's submission (epoch seconds), from its job table."""
+    start = (v.dashboard_jobs().get(submission_id) or {}).get("start_time")
+    return start / 1000 if start else None
 
 
 def completion(url: str, via: Any) -> dict[str, Any]:
@@ -217,6 +233,30 @@ def test_the_ray_dashboard_refuses_a_request_without_the_token(vdp: Vdp) -> None
     assert all(j.get("entrypoint") != "echo pwned" for j in vdp.dashboard_jobs().values())
     # Its public health check stays open for KubeRay's probes.
     assert http_status(vdp.dashboard_url("/api/gcs_healthz")) == 200
+
+
+def test_p5_floor_of_a_ray_jobs_start(vdp: Vdp) -> None:
+    """Issue 22's per-step floor for the head job's start: the same cluster runs a job of
+    `true` with the head job's runtime env (its env_vars), submitted straight to the dashboard
+    with no KubeRay in between, three times; submitted → ended is what Ray alone takes to
+    start a job's entrypoint in these pods."""
+    head_job = vdp.rayjob(vdp.status()["headJob"])
+    assert head_job is not None
+    env = json.loads(head_job["spec"]["runtimeEnvYAML"])
+    jobs = vdp.dashboard_url("/api/jobs/")
+    for n in range(3):
+        sid = f"floor-{int(time.time())}-{n}"
+        http(jobs, {"entrypoint": "true", "submission_id": sid, "runtime_env": env},
+             timeout=30, headers=vdp.ray_headers())  # fmt: skip
+
+        def ended(sid: str = sid) -> dict[str, Any] | None:
+            job = vdp.dashboard_jobs().get(sid)
+            return job if job and job.get("end_time") else None
+
+        info = vdp.wait(f"the floor job {sid} to end", ended, 60, interval=0.2)
+        assert info["status"] == "SUCCEEDED", info
+        FLOORS.append(info["end_time"] - info["start_time"])
+    assert len(FLOORS) == 3
 
 
 def finished_by_engine(metrics: str) -> dict[str, float]:

@@ -7,7 +7,8 @@
 - routed: the moment a watch of the API Service's EndpointSlice saw its endpoint turn ready.
 
 Between the join and the exec, the steps in between (`Launch.steps`): the last Ray pod's
-Ready condition and the head job's creation (both whole seconds, the API server's), then the
+Ready condition and the head job's creation (both whole seconds, the API server's), its
+submission to Ray (the Ray job's `start_time`, which KubeRay's submit sets), then the
 launcher's `connecting` and `preflight` lines.
 
 Stage lines come from the head container's log, where the launcher reports for the operator
@@ -188,9 +189,10 @@ HEADER = ("| launch | apply → pods running | → Ray joined | → exec | → f
 
 
 #: The steps between the last join and the exec, in the order they happen.
-STEPS = ("pods Ready", "head job created", CONNECTING, PREFLIGHT)
-STEPS_HEADER = ("| launch | join → pods Ready (s) | → head job created (s) | → launcher connecting "
-                "| → preflight | → exec |\n|---|---|---|---|---|---|")
+SUBMITTED = "submitted to Ray"
+STEPS = ("pods Ready", "head job created", SUBMITTED, CONNECTING, PREFLIGHT)
+STEPS_HEADER = ("| launch | join → pods Ready (s) | → head job created (s) | → submitted to Ray "
+                "| → launcher connecting | → preflight | → exec |\n|---|---|---|---|---|---|---|")
 
 
 def summary(launches: list[Launch]) -> dict[str, Any]:
