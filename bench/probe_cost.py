@@ -39,7 +39,6 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from aiohttp.abc import AbstractResolver, ResolveResult
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.engines.probe import TransportProbe
 from vllm_dp_operator.engines.prober import ProbePool, Target
@@ -48,19 +47,9 @@ from vllm_dp_operator.observability.metrics import OperatorMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 DOUBLE = REPO / "tests" / "doubles" / "engine_fleet.py"
+sys.path.insert(0, str(DOUBLE.parent))
 
-
-class LoopbackDns(AbstractResolver):
-    """Test double for cluster DNS: every name is 127.0.0.1, where the engine double listens."""
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET,
-                 "proto": 0, "flags": socket.AI_NUMERICHOST}]  # fmt: skip
-
-    async def close(self) -> None:
-        """Nothing to release."""
+from loopback_dns import LoopbackDns  # noqa: E402  (a test double, beside the engine double)
 
 
 def free_port() -> int:

@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -480,21 +479,17 @@ def test_worker_pod_killed_relaunches_with_backoff(vdp: Vdp) -> None:
         None, old_job) and s["headJob"], 300)  # fmt: skip
     # With backoff: the relaunch was created no sooner than the chart's base delay (5 s here)
     # after the failure was seen.
-    created = vdp.rayjob(new)["metadata"]["creationTimestamp"]  # type: ignore[index]
-    waited = (datetime.fromisoformat(created.replace("Z", "+00:00"))
-              - datetime.fromisoformat(failed["lastFailureTime"].replace("Z", "+00:00")))
-    assert waited.total_seconds() >= 4, (created, failed["lastFailureTime"])
+    relaunch = vdp.rayjob(new)
+    assert relaunch is not None
+    created = timeline.created_at(relaunch)
+    waited = created - timeline.stamp(failed["lastFailureTime"])
+    assert waited >= 4, (relaunch["metadata"]["creationTimestamp"], failed["lastFailureTime"])
     vdp.wait_phase("Serving", 600, job=new)
     note(f"worker killed: Serving again {time.monotonic() - t0:.0f}s later")
-    LAUNCHES.append(launch_of(vdp, "worker pod killed", created_at(vdp, new), joined=True))
+    LAUNCHES.append(launch_of(vdp, "worker pod killed", created, joined=True))
     assert vdp.pods()["worker"]["metadata"]["uid"] != worker["uid"]
     out = completion(f"http://{vdp.service_ip()}:{API_PORT}", http)
     assert out["object"] == "text_completion"
-
-
-def created_at(vdp: Vdp, job: str) -> float:
-    created = vdp.rayjob(job)["metadata"]["creationTimestamp"]  # type: ignore[index]
-    return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
 
 
 def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:

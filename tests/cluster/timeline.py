@@ -104,10 +104,15 @@ def stage_times(log: str, job: str) -> dict[str, float]:
         parsed = parse_stage_lines(line)
         if not parsed or parsed[0].fields.get("job") != job:
             continue
-        stamp = line[: line.index(" vllm-dp-launcher")].strip()
-        at = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC).timestamp()
+        logged = line[: line.index(" vllm-dp-launcher")].strip()
+        at = datetime.strptime(logged, "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=UTC).timestamp()
         out.setdefault(parsed[0].name, at)
     return out
+
+
+def stamp(value: str) -> float:
+    """An API timestamp (`2026-12-03T09:10:11Z`) as epoch seconds."""
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 def started_at(pods: list[dict[str, Any]]) -> float:
@@ -117,24 +122,20 @@ def started_at(pods: list[dict[str, Any]]) -> float:
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
             started = ((cs.get("state") or {}).get("running") or {}).get("startedAt")
             if started:
-                times.append(datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp())
+                times.append(stamp(started))
     return max(times)
-
-
-def _stamp(value: str) -> float:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 def ready_at(pods: list[dict[str, Any]]) -> float:
     """When the last of these pods turned Ready (epoch seconds, whole ones)."""
-    return max(_stamp(cond["lastTransitionTime"]) for pod in pods
+    return max(stamp(cond["lastTransitionTime"]) for pod in pods
                for cond in (pod.get("status") or {}).get("conditions") or []
                if cond.get("type") == "Ready" and cond.get("status") == "True")  # fmt: skip
 
 
 def created_at(obj: dict[str, Any]) -> float:
     """An object's creationTimestamp (epoch seconds, whole ones)."""
-    return _stamp(obj["metadata"]["creationTimestamp"])
+    return stamp(obj["metadata"]["creationTimestamp"])
 
 
 def last_join(nodes: list[dict[str, Any]]) -> float:

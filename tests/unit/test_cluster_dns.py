@@ -7,32 +7,18 @@ resolver double records what aiohttp asks for and points it at a local HTTP serv
 
 from __future__ import annotations
 
-import socket
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.abc import AbstractResolver, ResolveResult
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.engines.transport import ServiceDnsTransport
 
-
-class RecordingResolver(AbstractResolver):
-    """Test double for cluster DNS: every name is 127.0.0.1; the names asked are kept."""
-
-    def __init__(self) -> None:
-        self.asked: list[str] = []
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        self.asked.append(host)
-        return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET,
-                 "proto": 0, "flags": socket.AI_NUMERICHOST}]  # fmt: skip
-
-    async def close(self) -> None:
-        """Nothing to release."""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
+from loopback_dns import LoopbackDns
 
 
 @pytest.fixture
@@ -61,7 +47,7 @@ async def server() -> AsyncIterator[dict[str, Any]]:
 async def test_the_probe_looks_up_the_absolute_name_once(
     server: dict[str, Any], domain: str, fqdn: str
 ) -> None:
-    resolver = RecordingResolver()
+    resolver = LoopbackDns()
     transport = ServiceDnsTransport(2, domain, resolver=resolver)
     try:
         answer = await transport.request("GET", "ns1", "demo-head-svc", server["port"], "/health")

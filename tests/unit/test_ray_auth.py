@@ -11,6 +11,7 @@ and 403 with a wrong one (ray/_private/authentication/http_token_authentication.
 from __future__ import annotations
 
 import base64
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 from kubernetes_asyncio import client
-from test_cluster_dns import RecordingResolver
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config, RenderOptions
@@ -30,6 +30,9 @@ from vllm_dp_operator.plan import build_plan
 from vllm_dp_operator.render import build_raycluster, cluster_hash
 from vllm_dp_operator.render.meta import owner_reference
 from vllm_dp_operator.render.raytoken import build_ray_token_secret
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
+from loopback_dns import LoopbackDns
 from world import CFG, World, serving, spec
 
 KEY = b"k" * 32
@@ -229,7 +232,7 @@ async def test_through_the_api_server_proxy_the_token_rides_beside_the_operators
 async def test_by_cluster_dns_the_token_rides_in_kuberays_header(
     ray_head: dict[str, Any]
 ) -> None:
-    transport = ServiceDnsTransport(2, "cluster.local", resolver=RecordingResolver())
+    transport = ServiceDnsTransport(2, "cluster.local", resolver=LoopbackDns())
     try:
         # The test double listens on its own port, standing in for the dashboard's 8265.
         answer = await transport.request(

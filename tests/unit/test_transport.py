@@ -8,13 +8,13 @@ from the API server answering for itself (a Status object: no endpoint, pod refu
 from __future__ import annotations
 
 import json
-import socket
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.abc import AbstractResolver, ResolveResult
 from kubernetes_asyncio import client
 from vllm_dp_launcher.command import KEEP_ALIVE_SECONDS
 from vllm_dp_operator.config import Config
@@ -27,6 +27,9 @@ from vllm_dp_operator.engines.transport import (
     ServiceDnsTransport,
     make_transport,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
+from loopback_dns import LoopbackDns
 
 SVC = "/api/v1/namespaces/ns1/services"
 HEALTH = f"{SVC}/demo-abcde-head-svc:8000/proxy/health"
@@ -207,19 +210,6 @@ async def test_the_api_server_proxy_is_rate_limited() -> None:
     await RateLimit(qps=0, burst=1).take()  # 0: no limit
 
 
-class _Loopback(AbstractResolver):
-    """Test double for cluster DNS: every Service name is 127.0.0.1."""
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": socket.AF_INET,
-                 "proto": 0, "flags": socket.AI_NUMERICHOST}]  # fmt: skip
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
-
 async def test_service_dns_probes_reuse_one_connection_per_service() -> None:
     """Probes of one Service go over one kept connection (no handshake, no DNS lookup per
     probe), and one the pod closed meanwhile is replaced without a failed probe."""
@@ -236,7 +226,7 @@ async def test_service_dns_probes_reuse_one_connection_per_service() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    transport = ServiceDnsTransport(2, resolver=_Loopback())
+    transport = ServiceDnsTransport(2, resolver=LoopbackDns())
     try:
         probe = TransportProbe(transport)
         for _ in range(3):

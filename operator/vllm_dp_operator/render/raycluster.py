@@ -208,13 +208,12 @@ def _probes(head: bool) -> dict[str, Any]:
     }
 
 
-def _with_probes(body: dict[str, Any]) -> dict[str, Any]:
+def _with_probes(body: dict[str, Any]) -> None:
     # After the hash: probe timing is not shape, so an operator that tunes it renames no
     # cluster, and a cluster made before it keeps serving as it is.
     body["headGroupSpec"]["template"]["spec"]["containers"][0].update(_probes(head=True))
     for group in body["workerGroupSpecs"]:
         group["template"]["spec"]["containers"][0].update(_probes(head=False))
-    return body
 
 
 def _shape(body: dict[str, Any], queue_labels: dict[str, str]) -> str:
