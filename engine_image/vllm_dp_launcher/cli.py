@@ -8,13 +8,15 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from vllm_dp_launcher import health, raycluster, report, stages
-from vllm_dp_launcher.cluster import layout_problems, wait_for_cluster
+from vllm_dp_launcher.beside import PreflightBeside
+from vllm_dp_launcher.cluster import GpuNode, layout_problems, wait_for_cluster
 from vllm_dp_launcher.command import (
     ADDRESS_PLACEHOLDER,
     HOST_IP_ENV,
@@ -180,28 +182,15 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _raise_stopped)
     try:
-        own_ip = raycluster.own_node_ip()
-        submission = raycluster.own_submission_id()
-        log.info("launcher runs on Ray node %s%s", own_ip,
-                 f" in Ray job submission {submission}" if submission else "")  # fmt: skip
-        nodes = wait_for_cluster(
-            plan,
-            raycluster.list_gpu_nodes,
-            own_ip,
-            timeout=plan.wait_timeout_seconds,
-            progress_interval=progress_interval,
-            find_holders=raycluster.gpu_holders,
-        )
-        stages.enter(stages.PREFLIGHT, nodes=len(nodes))
-        problems = layout_problems(plan, nodes, own_ip)
-        if problems:
-            raise ClusterNotReadyError(
-                f"the Ray cluster cannot hold the plan (packStrategy {plan.pack_strategy}): "
-                + "; ".join(problems)
-            )
-        run_preflight(own_ip, nodes, timeout=plan.preflight_timeout_seconds)
-    finally:
+        own_ip, nodes = _gate(plan, progress_interval)
+    except BaseException:
         raycluster.disconnect()
+        raise
+    # The preflight runs beside vLLM's start (beside.py): the exec follows the last join.
+    preflight = PreflightBeside(
+        lambda: run_preflight(own_ip, nodes, timeout=plan.preflight_timeout_seconds),
+        timeout=plan.preflight_timeout_seconds,
+    )
     command = build_command(plan, own_ip)
     env = engine_env(plan, own_ip, os.environ)
     if env[HOST_IP_ENV] != own_ip:
@@ -216,16 +205,23 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
     check_stop_wait(plan, os.environ)
     url = health.health_url(plan)
     request = health.completion_request(plan, env)
-    run = run_engine(
-        command,
-        env,
-        drain_grace=plan.drain_grace_seconds,
-        on_start=lambda child, stopping: health.watch(
+
+    def on_start(child: subprocess.Popen[bytes], stopping: Callable[[], bool]) -> None:
+        preflight.start(child, stopping)
+        health.watch(
             url,
             alive=lambda: child.poll() is None and not stopping(),
             completion=lambda: health.complete(request),
-        ),
-    )
+        )
+
+    try:
+        run = run_engine(command, env, drain_grace=plan.drain_grace_seconds, on_start=on_start)
+        failed = preflight.settle(stopped=run.stop_signal is not None)
+    finally:
+        if preflight.finished:  # else a stop cut it short, and the exit disconnects
+            raycluster.disconnect()
+    if failed is not None:
+        raise failed  # the launch ends with the preflight's status and cause, said above
     status, cause = final_status(run)
     if run.stop_signal is None:
         log.error(
@@ -236,6 +232,31 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
         )
     stages.enter(stages.EXITED, status=status, cause=cause, engine_status=run.status)
     return status
+
+
+def _gate(plan: LaunchPlan, progress_interval: float) -> tuple[str, list[GpuNode]]:
+    """This node's IP and the planned GPU nodes, once all are there with their GPUs free and
+    their shape holds the plan."""
+    own_ip = raycluster.own_node_ip()
+    submission = raycluster.own_submission_id()
+    log.info("launcher runs on Ray node %s%s", own_ip,
+             f" in Ray job submission {submission}" if submission else "")  # fmt: skip
+    nodes = wait_for_cluster(
+        plan,
+        raycluster.list_gpu_nodes,
+        own_ip,
+        timeout=plan.wait_timeout_seconds,
+        progress_interval=progress_interval,
+        find_holders=raycluster.gpu_holders,
+    )
+    stages.enter(stages.PREFLIGHT, nodes=len(nodes))
+    problems = layout_problems(plan, nodes, own_ip)
+    if problems:
+        raise ClusterNotReadyError(
+            f"the Ray cluster cannot hold the plan (packStrategy {plan.pack_strategy}): "
+            + "; ".join(problems)
+        )
+    return own_ip, nodes
 
 
 def setup_logging() -> Callable[[], None]:

@@ -53,7 +53,11 @@ def connect(address: str | None) -> None:
 
 
 def disconnect() -> None:
-    """Drop the driver connection so that vLLM's own driver is the only one left."""
+    """Drop the launcher's driver connection, once neither the gate nor the preflight needs it.
+
+    Ray's shutdown puts the process's SIGTERM back to the default at the C level, whatever
+    Python's ``signal.getsignal`` says: a handler wanted after it must be installed again.
+    """
     import ray
 
     if ray.is_initialized():

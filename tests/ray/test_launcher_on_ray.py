@@ -61,7 +61,8 @@ def test_engine_gets_plan_command_and_own_node_ip(start_launcher: StartLauncher)
     assert _http(plan["port"], "GET", "/health") == 200
     log = run.log()
     assert "Ray cluster ready: 3/3 GPU nodes, 12/12 GPUs" in log
-    assert "network preflight passed: 3 GPU node(s)" in log
+    run.wait_for(lambda: "network preflight passed: 3 GPU node(s)" in run.log(),
+                 "the preflight, beside the engine's start, passed")  # fmt: skip
 
     assert _http(plan["port"], "POST", "/exit?code=5") == 200
     assert run.finish() == 5
@@ -160,7 +161,9 @@ def test_worker_joining_late_is_waited_for(
         assert "--data-parallel-size" in start["argv"]
         log = run.log()
         assert "Ray cluster ready: 4/4 GPU nodes, 16/16 GPUs" in log
-        assert "network preflight passed: 4 GPU node(s)" in log
+        # Beside the engine's start, not before it: it may still be running here.
+        run.wait_for(lambda: "network preflight passed: 4 GPU node(s)" in run.log(),
+                     "the preflight passed")  # fmt: skip
         _http(plan["port"], "POST", "/exit?code=5")
         assert run.finish() == 5
     finally:
@@ -171,7 +174,8 @@ def test_worker_joining_late_is_waited_for(
 def test_preflight_names_the_node_that_cannot_connect(
     start_launcher: StartLauncher, ray_cluster: Cluster
 ) -> None:
-    """A node whose TCP to the launcher's ephemeral port is rejected fails the launch, by name.
+    """A node whose TCP to the launcher's ephemeral port is rejected fails the launch, by name,
+    and stops the engine that started beside the preflight.
 
     How the node is cut off, for real: node 127.0.0.4 was started inside its own cgroup v2
     group, and for this test an iptables OUTPUT rule rejects (TCP reset) that group's
@@ -197,7 +201,10 @@ def test_preflight_names_the_node_that_cannot_connect(
     assert f"{BLOCKABLE_IP} (node " in failure, log
     assert "127.0.0.3 (node " not in failure, log
     assert "Connection refused" in failure, log
-    assert run.records() == []
+    # The engine started beside the preflight and was stopped when it failed.
+    assert "stopping vllm serve" in log, log
+    assert "stage=engine-starting" in log, log
+    assert "stage=exited status=4 cause=preflight-failed" in log, log
 
 
 def test_dry_run_takes_the_address_from_ray(ray_cluster: Cluster) -> None:

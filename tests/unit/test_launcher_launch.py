@@ -1,7 +1,8 @@
 """A whole launch through ``main``, with Ray replaced by fakes and a real child as the engine.
 
 What this tier shows: the stage lines in order, an engine that ends on its own failing the
-launch, GPUs held by a live job failing it at once, and a stop before the engine starts.
+launch, GPUs held by a live job failing it at once, a stop before the engine starts, and the
+network preflight running beside the engine's start (a failed one stopping it).
 The same paths run against a real Ray cluster in tests/ray.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from vllm_dp_launcher import cli, raycluster, stages
 from vllm_dp_launcher.cluster import GpuNode
+from vllm_dp_launcher.errors import PreflightError
 from vllm_dp_launcher.holders import GpuHolder, HolderReport
 from vllm_dp_launcher.plan import LaunchPlan, PodPlan, encode_plan
 
@@ -178,3 +180,84 @@ def test_stop_is_not_swallowed_by_code_that_catches_exceptions(
 
     assert cli.main(["--plan-b64", encode_plan(make_plan("raise SystemExit(99)"))]) == 143
     assert "stage=exited status=143 cause=stopped" in capsys.readouterr().err
+
+
+def test_vllm_starts_while_the_preflight_runs(
+    fake_ray: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
+) -> None:
+    """The exec does not wait for the preflight: the preflight sees the engine running, and
+    the launcher's Ray connection is dropped only once the preflight is done."""
+    marker = tmp_path / "engine-started"
+    seen: list[str] = []
+
+    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float) -> None:
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen.append("engine running" if marker.exists() else "no engine")
+
+    monkeypatch.setattr(cli, "run_preflight", preflight)
+    monkeypatch.setattr(raycluster, "disconnect", lambda: seen.append("disconnected"))
+    code = f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(1)"
+
+    status = cli.main(["--plan-b64", encode_plan(make_plan(code))])
+
+    err = capsys.readouterr().err
+    assert status == 6, err  # the engine then ended on its own
+    assert seen == ["engine running", "disconnected"]
+    assert stage_names(err) == [
+        "connecting", "waiting-for-cluster", "preflight", "engine-starting", "exited",
+    ]  # fmt: skip
+
+
+def test_failed_preflight_stops_the_starting_engine_and_names_the_node(
+    fake_ray: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
+) -> None:
+    """An engine that would hang (a node cannot reach it) is stopped once the preflight
+    fails, and the launch ends with the preflight's status and cause, not the engine's."""
+    marker = tmp_path / "engine-started"
+
+    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float) -> None:
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raise PreflightError("network preflight failed: 1 of 2 GPU node(s) ... 10.0.0.2")
+
+    monkeypatch.setattr(cli, "run_preflight", preflight)
+    code = f"import pathlib, time; pathlib.Path({str(marker)!r}).touch(); time.sleep(60)"
+    started = time.monotonic()
+
+    status = cli.main(["--plan-b64", encode_plan(make_plan(code))])
+
+    err = capsys.readouterr().err
+    assert status == 4, err
+    assert time.monotonic() - started < 30, "the hanging engine was stopped, not waited for"
+    assert "network preflight failed: 1 of 2 GPU node(s) ... 10.0.0.2" in err
+    assert "stopping vllm serve" in err
+    assert "ended on its own" not in err
+    assert stages.last_stage(err) == stages.StageLine(
+        "exited", {"status": "4", "cause": "preflight-failed"}
+    )
+
+
+def test_engine_failing_fast_waits_for_the_preflight_to_name_the_node(
+    fake_ray: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM ending on its own before the preflight's verdict: the verdict is waited for, and
+    a failed preflight is what the launch ends with (it names the node; vLLM does not)."""
+
+    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float) -> None:
+        time.sleep(0.5)
+        raise PreflightError("network preflight failed: 10.0.0.2 unreachable")
+
+    monkeypatch.setattr(cli, "run_preflight", preflight)
+
+    status = cli.main(["--plan-b64", encode_plan(make_plan("raise SystemExit(1)"))])
+
+    err = capsys.readouterr().err
+    assert status == 4, err
+    assert stages.last_stage(err) == stages.StageLine(
+        "exited", {"status": "4", "cause": "preflight-failed"}
+    )
