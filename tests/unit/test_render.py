@@ -145,22 +145,37 @@ def test_raycluster_head_declares_ray_ports_and_the_serving_port() -> None:
     assert "ports" not in container(group["template"])
 
 
-def test_ray_pods_are_probed_every_second_until_ray_is_healthy_then_as_kuberay_does() -> None:
-    cluster = cluster_of(BASE)
-    for head, template in zip((True, False), templates(cluster), strict=True):
-        c = container(template)
-        health = {"path": "/api/healthz", "port": constants.RAY_AGENT_PORT}
-        assert c["startupProbe"]["httpGet"] == health
-        assert c["startupProbe"]["periodSeconds"] == 1
-        # Ten minutes for Ray to come up; after that the kubelet restarts the container.
-        assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 600
-        ready = c["readinessProbe"]
-        # KubeRay's check and pace, without its 10 s delay (the startup probe went first).
-        assert ready["httpGet"] == health
-        assert (ready["initialDelaySeconds"], ready["periodSeconds"],
-                ready["failureThreshold"]) == (0, 5, 10)  # fmt: skip
-        assert ready["timeoutSeconds"] == c["startupProbe"]["timeoutSeconds"] == (5 if head else 2)
-        assert "livenessProbe" not in c  # KubeRay's own
+def test_the_head_is_probed_every_second_until_ray_is_healthy_then_as_kuberay_does() -> None:
+    c = container(templates(cluster_of(BASE))[0])
+    health = {"path": "/api/healthz", "port": constants.RAY_AGENT_PORT}
+    assert c["startupProbe"]["httpGet"] == health
+    assert c["startupProbe"]["periodSeconds"] == 1
+    # Ten minutes for Ray to come up; after that the kubelet restarts the container.
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 600
+    ready = c["readinessProbe"]
+    # KubeRay's check and pace, without its 10 s delay (the startup probe went first).
+    assert ready["httpGet"] == health
+    assert (ready["initialDelaySeconds"], ready["periodSeconds"],
+            ready["failureThreshold"]) == (0, 5, 10)  # fmt: skip
+    assert ready["timeoutSeconds"] == c["startupProbe"]["timeoutSeconds"] == 5
+    assert "livenessProbe" not in c  # KubeRay's own
+
+
+def test_a_worker_is_ready_once_it_runs_and_its_ray_health_is_left_to_kuberays_liveness() -> None:
+    """Ready does not wait for the worker's join: KubeRay submits the head job meanwhile."""
+    worker = container(templates(cluster_of(BASE))[1])
+    ready = worker["readinessProbe"]
+    assert ready["exec"] == {"command": ["true"]}
+    assert ready["initialDelaySeconds"] == 0
+    assert "startupProbe" not in worker, "a startup probe would hold readiness back"
+    assert "livenessProbe" not in worker  # KubeRay's: the Ray health check, then a restart
+
+
+def test_one_pod_clusters_have_only_the_heads_probes() -> None:
+    cluster = cluster_of(with_(dataParallel={"size": 4, "ranksPerNode": 4}))
+    assert not cluster["spec"].get("workerGroupSpecs")
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    assert "startupProbe" in container(head)
 
 
 def test_probe_timing_is_not_shape(monkeypatch: pytest.MonkeyPatch) -> None:

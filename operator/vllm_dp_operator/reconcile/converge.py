@@ -227,7 +227,7 @@ async def _provisioning(
         message = pending or f"Waiting for Ray nodes of {cluster_name}: {detail}"
     st.cond(c.COND_CLUSTER_READY, False, reason, message)
     st.cond(c.COND_HEAD_JOB_RUNNING, False, c.REASON_WAITING_FOR_NODES,
-            "The head job starts once every Ray node has joined")  # fmt: skip
+            "The head job starts once the Ray head is ready and every worker pod runs")  # fmt: skip
     st.cond(c.COND_READY, False, c.REASON_WAITING_FOR_NODES, message)
     st.phase(c.PHASE_PROVISIONING, message)
 

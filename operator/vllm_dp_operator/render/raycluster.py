@@ -175,35 +175,61 @@ def _cluster_spec(
 
 #: Ray's own health of a node, where KubeRay's probes read it: the raylet, plus the GCS on the head.
 RAY_HEALTH = {"path": "/api/healthz", "port": constants.RAY_AGENT_PORT}
-#: A node is probed every second until Ray first answers healthy, for up to 10 minutes.
+#: The head is probed every second until Ray first answers healthy, for up to 10 minutes.
 STARTUP_PERIOD_SECONDS = 1
 STARTUP_FAILURES = 600
+#: KubeRay's timeout for the head's Ray health check.
+HEAD_PROBE_TIMEOUT_SECONDS = 5
+#: The kubelet runs a readiness probe as soon as the container starts; after that, rarely.
+WORKER_READINESS_PERIOD_SECONDS = 10
 
 
-def _probes(head: bool) -> dict[str, Any]:
-    """A startup probe every second, then KubeRay's readiness probe without its delay.
+def _head_probes() -> dict[str, Any]:
+    """The head: a startup probe every second, then KubeRay's readiness probe without its delay.
 
-    KubeRay's own readiness probe waits 10 s, then probes every 5 s: a worker whose raylet has
-    joined stays unready for up to that long, and the head job (which KubeRay submits only
-    once every pod is Ready) waits with it. The startup probe sees Ray healthy within a
-    second, and the kubelet then runs the readiness probe at once, so the pod turns Ready
-    about a second after its node joins. Readiness and liveness after that are KubeRay's:
-    the same check, timeout, period and failure threshold; liveness stays KubeRay's own.
+    KubeRay's own readiness probe waits 10 s, then probes every 5 s: a head whose Ray is up
+    stays unready for up to that long, and the head job (which KubeRay submits only once
+    every pod is Ready) waits with it. The startup probe sees Ray healthy within a second,
+    and the kubelet then runs the readiness probe at once, so the head turns Ready about a
+    second after Ray is up there. Readiness after that is KubeRay's: the same check, timeout,
+    period and failure threshold; liveness stays KubeRay's own.
     """
-    timeout = 5 if head else 2
     return {
         "startupProbe": {
             "httpGet": dict(RAY_HEALTH),
             "periodSeconds": STARTUP_PERIOD_SECONDS,
-            "timeoutSeconds": timeout,
+            "timeoutSeconds": HEAD_PROBE_TIMEOUT_SECONDS,
             "failureThreshold": STARTUP_FAILURES,
         },
         "readinessProbe": {
             "httpGet": dict(RAY_HEALTH),
             "initialDelaySeconds": 0,
             "periodSeconds": 5,
-            "timeoutSeconds": timeout,
+            "timeoutSeconds": HEAD_PROBE_TIMEOUT_SECONDS,
             "failureThreshold": 10,
+        },
+    }
+
+
+def _worker_probes() -> dict[str, Any]:
+    """A worker is Ready once its container runs: its joining Ray is the launcher's to wait for.
+
+    KubeRay starts a worker's container only once the head's GCS answers (its wait-gcs-ready
+    init container), and submits the head job only once every pod is Ready. Were a worker's
+    readiness Ray's health, the head job's submission and the Ray job's start (about 3.5 s)
+    would follow the last node's join; with this, they run while the workers join, and the
+    launcher, which lists Ray's nodes every 0.2 s and names a missing one, execs vLLM as the
+    last one joins. A worker's raylet that never comes up, or dies, is still KubeRay's
+    liveness probe's: the same Ray health check, and the kubelet restarts the container. No
+    traffic is routed to a worker pod, so its readiness gates nothing else.
+    """
+    return {
+        "readinessProbe": {
+            "exec": {"command": ["true"]},
+            "initialDelaySeconds": 0,
+            "periodSeconds": WORKER_READINESS_PERIOD_SECONDS,
+            "timeoutSeconds": 1,
+            "failureThreshold": 1,
         },
     }
 
@@ -211,9 +237,9 @@ def _probes(head: bool) -> dict[str, Any]:
 def _with_probes(body: dict[str, Any]) -> None:
     # After the hash: probe timing is not shape, so an operator that tunes it renames no
     # cluster, and a cluster made before it keeps serving as it is.
-    body["headGroupSpec"]["template"]["spec"]["containers"][0].update(_probes(head=True))
-    for group in body["workerGroupSpecs"]:
-        group["template"]["spec"]["containers"][0].update(_probes(head=False))
+    body["headGroupSpec"]["template"]["spec"]["containers"][0].update(_head_probes())
+    for group in body.get("workerGroupSpecs", []):
+        group["template"]["spec"]["containers"][0].update(_worker_probes())
 
 
 def _shape(body: dict[str, Any], queue_labels: dict[str, str]) -> str:
