@@ -120,9 +120,11 @@ LAUNCHES: list[timeline.Launch] = []
 FLOORS: list[float] = []
 
 
-def launch_of(v: Vdp, label: str, applied: float, joined: bool) -> timeline.Launch:
+def launch_of(v: Vdp, label: str, applied: float, joined: bool,
+              routed_on_health: bool = True) -> timeline.Launch:
     """The steps of the launch that now serves: its head job's stage lines in the head
-    container's log, Ray's node table, and the slice watch."""
+    container's log, Ray's node table, and the slice watch (where the route follows the
+    first healthy answer: a Surge's switch waits for a completion instead)."""
     job = v.status()["headJob"]
     pods = v.pods()
     log = v.cluster.kubectl("logs", pods["head"]["metadata"]["name"], "-n", v.ns, "-c",
@@ -138,7 +140,7 @@ def launch_of(v: Vdp, label: str, applied: float, joined: bool) -> timeline.Laun
             f"{log[-2000:]}\n--- its Ray job log:\n{v.job_logs(sid)[-3000:]}\n--- the head "
             f"container's PID 1:\n{proc1.stdout}{proc1.stderr}")  # fmt: skip
     routed = v.wait("the route seen by the watch", lambda: ROUTES[0].routed_after(
-        stages[timeline.SERVING] - 5), 30)  # fmt: skip
+        stages[timeline.SERVING] - 5), 30) if routed_on_health else None  # fmt: skip
     nodes = http(v.dashboard_url("/api/v0/nodes?detail=1&limit=100"), timeout=10,
                  headers=v.ray_headers())["data"]["result"]["result"]  # fmt: skip
     rayjob = v.rayjob(job)
@@ -538,6 +540,9 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     said = timeline.stage_times(vdp.cluster.kubectl("logs", head, "-n", vdp.ns, "-c",
                                                     "ray-head").stdout, st["headJob"])
     assert "answered" in said and said["answered"] <= switched, (said, switched)
+    # A new generation: its Ray nodes joined as the first launch's did (a third p5 sample).
+    LAUNCHES.append(launch_of(vdp, "Surge: the new generation", applied, joined=True,
+                              routed_on_health=False))  # fmt: skip
     models = http(f"{url}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 192, models
     assert completion(url, http)["object"] == "text_completion"

@@ -153,7 +153,8 @@ class Launch:
     joined: float | None
     exec_: float
     healthy: float
-    routed: float
+    #: None where the route did not move on the health (a Surge waits for a completion).
+    routed: float | None
     #: Steps between the join and the exec, in order: name -> epoch seconds.
     steps: dict[str, float] = field(default_factory=dict)
 
@@ -181,8 +182,8 @@ class Launch:
         return None if self.joined is None else (self.exec_ - self.joined) * 1000
 
     @property
-    def health_to_routed_ms(self) -> float:
-        return (self.routed - self.healthy) * 1000
+    def health_to_routed_ms(self) -> float | None:
+        return None if self.routed is None else (self.routed - self.healthy) * 1000
 
 
 HEADER = ("| launch | apply → pods running | → Ray joined | → exec | → first healthy | "
@@ -199,11 +200,11 @@ STEPS_HEADER = ("| launch | join → pods Ready (s) | → head job created (s) |
 def summary(launches: list[Launch]) -> dict[str, Any]:
     """The p5 keys: medians over the launches that had each step."""
     joins = [x for la in launches if (x := la.join_to_exec_ms) is not None]
-    routed = [la.health_to_routed_ms for la in launches]
+    routed = [x for la in launches if (x := la.health_to_routed_ms) is not None]
     return {
         "p5_join_to_exec_ms": round(statistics.median(joins)) if joins else None,
         "p5_join_to_exec_samples": [round(x) for x in joins],
-        "p5_health_to_routed_ms": round(statistics.median(routed)),
+        "p5_health_to_routed_ms": round(statistics.median(routed)) if routed else None,
         "p5_health_to_routed_samples": [round(x) for x in routed],
     }
 
