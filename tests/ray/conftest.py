@@ -31,10 +31,17 @@ from vllm_dp_launcher.plan import encode_plan, head_job_entrypoint, parse_plan
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Cluster]:
-    """Start head + two workers (127.0.0.4 inside its own cgroup when possible); stop them all."""
+    """Start head + two workers (127.0.0.4 inside its own cgroup when possible); stop them all.
+
+    Without token auth, whatever this machine's ~/.ray holds: Ray 2.60 turns token auth on
+    for a node or driver whose RAY_AUTH_MODE is unset when ~/.ray/auth_token exists (any
+    local ``ray.init()`` writes one), and the tier's nodes and clients would then disagree.
+    """
     root = Path(tempfile.mkdtemp(prefix="vdpray", dir="/tmp"))  # short: unix socket paths
     testbed = RayTestbed(root=root, port_base=pick_port_base(nodes=4))
     cgroup, why = make_node_cgroup(f"vllmdp-ray-{os.getpid()}")
+    auth = pytest.MonkeyPatch()
+    auth.setenv("RAY_AUTH_MODE", "disabled")  # inherited by every node, launcher and job
     try:
         testbed.start_node(HEAD_IP, GPUS_PER_NODE, slot=0)
         testbed.wait_alive({HEAD_IP})
@@ -49,6 +56,7 @@ def ray_cluster() -> Iterator[Cluster]:
         if cgroup is not None:
             cgroup.remove()
         shutil.rmtree(root, ignore_errors=True)
+        auth.undo()
 
 
 def doubles_path() -> str:
