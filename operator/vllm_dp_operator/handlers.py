@@ -22,6 +22,7 @@ import kopf
 
 from vllm_dp_operator import __version__, constants
 from vllm_dp_operator.config import Config
+from vllm_dp_operator.controller.api_ready import wait_until_served
 from vllm_dp_operator.controller.fence import WriteGate
 from vllm_dp_operator.controller.gate import OPEN, GatedApi, GatedRayJobs
 from vllm_dp_operator.controller.kube import VDP, ApiKube
@@ -107,6 +108,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     configure(settings)
     logging.getLogger("kopf.objects").addFilter(_NoEventHandlerChatter())
     kube = await ApiKube.connect(user_agent=f"vllm-dp-operator/{__version__} {IDENTITY}")
+    # kopf resolves what it watches once, after this: not while RBAC is still loading.
+    await wait_until_served(kube, CONFIG.watch_namespaces)
     transport = make_transport(CONFIG.health_probe, kube.api, CONFIG.health_timeout_seconds,
                                CONFIG.cluster_domain, CONFIG.proxy_qps)  # fmt: skip
     probe = TransportProbe(transport, CONFIG.engine_metrics_max_bytes)
