@@ -25,21 +25,24 @@ log = logging.getLogger("vllm_dp_launcher")
 #: After a failed preflight's SIGTERM, how long vLLM's process group has before SIGKILL.
 #: Nothing to drain: an engine that cannot be reached never served.
 STOP_GRACE_SECONDS = 5.0
+#: After a stop, how long a cancelled preflight has to end (its loop polls every 0.1 s).
+CANCEL_WAIT_SECONDS = 2.0
 
 
 class PreflightBeside:
     """One preflight in a thread; ``start`` it with the engine, read ``settle`` after it ends.
 
-    ``check`` raises a ``LauncherError`` on failure. It runs on the launcher's Ray connection,
-    which stays open while vLLM runs: Ray's shutdown puts the process's SIGTERM back to the
-    default at the C level (Python's ``getsignal`` still names the old handler), so a
-    disconnect beside the engine would let a stop kill the launcher instead of being
-    forwarded. The caller disconnects once the engine has ended.
+    ``check(cancelled)`` raises a ``LauncherError`` on failure, and returns soon once
+    ``cancelled()``: after a stop, ``settle`` cancels it and waits for that. It runs on the
+    launcher's Ray connection, which stays open while vLLM runs: Ray's shutdown puts the
+    process's SIGTERM back to the default at the C level (Python's ``getsignal`` still names
+    the old handler), so a disconnect beside the engine would let a stop kill the launcher
+    instead of being forwarded. The caller disconnects once the engine has ended.
     """
 
     def __init__(
         self,
-        check: Callable[[], None],
+        check: Callable[[Callable[[], bool]], None],
         timeout: float,
         stop_grace: float = STOP_GRACE_SECONDS,
     ) -> None:
@@ -47,16 +50,17 @@ class PreflightBeside:
         self._timeout = timeout
         self._stop_grace = stop_grace
         self._thread: threading.Thread | None = None
-        self.error: LauncherError | None = None
+        self._cancel = threading.Event()
+        self._error: LauncherError | None = None
 
     def start(self, child: subprocess.Popen[bytes], stopping: Callable[[], bool]) -> None:
         """Run the check beside ``child``; on failure, say so and stop the child's group."""
 
         def run() -> None:
             try:
-                self._check()
+                self._check(self._cancel.is_set)
             except LauncherError as exc:
-                self.error = exc
+                self._error = exc
                 # Said at once: vLLM may log for a while yet before it is stopped.
                 log.error("%s", exc)
                 if not stopping():
@@ -74,10 +78,15 @@ class PreflightBeside:
     def settle(self, stopped: bool) -> LauncherError | None:
         """After the engine ended: the preflight's error, waiting for its verdict first when
         vLLM ended on its own (a cut-off node can make it fail fast, and the preflight names
-        the node). After a stop nothing is waited for."""
-        if self._thread is not None and not stopped:
-            self._thread.join(self._timeout + self._stop_grace)
-        return self.error
+        the node). After a stop the check is cancelled, and its end waited for: the launcher's
+        exit shuts its Ray connection down, which a check still using it would die of."""
+        if self._thread is not None:
+            if stopped:
+                self._cancel.set()
+                self._thread.join(CANCEL_WAIT_SECONDS)
+            else:
+                self._thread.join(self._timeout + self._stop_grace)
+        return self._error
 
 
 def _stop_group(child: subprocess.Popen[bytes], grace: float) -> None:
@@ -87,11 +96,11 @@ def _stop_group(child: subprocess.Popen[bytes], grace: float) -> None:
     the lock that ``poll()`` needs, and vLLM's own processes share the group.
     """
     deadline = time.monotonic() + grace
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(child.pid, sig)
-            while sig == signal.SIGTERM and time.monotonic() < deadline:
-                time.sleep(0.05)
-                os.killpg(child.pid, 0)  # raises once the whole group is gone
-        except ProcessLookupError:
-            return
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            os.killpg(child.pid, 0)  # raises once the whole group is gone
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return

@@ -188,7 +188,8 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
         raise
     # The preflight runs beside vLLM's start (beside.py): the exec follows the last join.
     preflight = PreflightBeside(
-        lambda: run_preflight(own_ip, nodes, timeout=plan.preflight_timeout_seconds),
+        lambda cancelled: run_preflight(own_ip, nodes, timeout=plan.preflight_timeout_seconds,
+                                        cancelled=cancelled),
         timeout=plan.preflight_timeout_seconds,
     )
     command = build_command(plan, own_ip)
@@ -218,7 +219,7 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
         run = run_engine(command, env, drain_grace=plan.drain_grace_seconds, on_start=on_start)
         failed = preflight.settle(stopped=run.stop_signal is not None)
     finally:
-        if preflight.finished:  # else a stop cut it short, and the exit disconnects
+        if preflight.finished:  # else still running past its cancel; the exit disconnects
             raycluster.disconnect()
     if failed is not None:
         raise failed  # the launch ends with the preflight's status and cause, said above

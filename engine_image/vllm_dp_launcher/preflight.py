@@ -43,8 +43,13 @@ def run_preflight(
     nodes: list[GpuNode],
     timeout: float,
     clock: Callable[[], float] = time.monotonic,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Check that every GPU node reaches this node over ZMQ; raise naming any that fail."""
+    """Check that every GPU node reaches this node over ZMQ; raise naming any that fail.
+
+    Once ``cancelled()`` (a stop arrived beside it), its tasks are cancelled and it returns
+    with no verdict: the launcher must not exit while this uses its Ray connection.
+    """
     import ray
     import zmq
     from ray import cloudpickle
@@ -77,7 +82,7 @@ def run_preflight(
         failures: dict[GpuNode, str] = {}
         heard: set[str] = set()
         deadline = clock() + timeout
-        while pending and clock() < deadline:
+        while pending and clock() < deadline and not cancelled():
             _answer_hellos(router, token.encode(), heard, wait_ms=50)
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.05)
             for ref in done:
@@ -89,6 +94,10 @@ def run_preflight(
                     continue
                 if not result["ok"]:
                     failures[node] = str(result["detail"])
+        if cancelled():
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            return
         for ref, node in pending.items():
             said_hello = node.node_id in heard
             failures[node] = f"the probe task did not finish within {timeout:g}s" + (

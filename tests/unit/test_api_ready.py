@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,32 +13,30 @@ from vllm_dp_operator.controller.kube import Kind
 
 
 class StartingApi:
-    """Refuses discovery `refusals` times (403: roles not loaded), then serves."""
+    """Refuses the LIST `refusals` times with `status` (403: roles not loaded), then serves."""
 
-    def __init__(self, refusals: int, list_refusals: int = 0) -> None:
-        self.refusals, self.list_refusals = refusals, list_refusals
+    def __init__(self, refusals: int, status: int = 403) -> None:
+        self.refusals, self.status = refusals, status
         self.lists: list[str | None] = []
-
-    async def get_path(self, path: str) -> dict[str, Any]:
-        if self.refusals:
-            self.refusals -= 1
-            raise ApiException(status=403, reason="Forbidden")
-        return {"kind": "APIVersions" if path == "/api" else "APIGroupList"}
 
     async def list_page(self, kind: Kind, namespace: str | None, selector: str, limit: int,
                         cont: str | None) -> dict[str, Any]:  # fmt: skip
-        if self.list_refusals:
-            self.list_refusals -= 1
-            raise ApiException(status=404, reason="Not Found")
+        if self.refusals:
+            self.refusals -= 1
+            raise ApiException(status=self.status, reason="Forbidden")
         self.lists.append(namespace)
         return {"items": []}
+
+    def watch(self, kind: Kind, namespace: str | None, selector: str, resource_version: str,
+              timeout_seconds: int) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        raise AssertionError("waiting to be served never watches")
 
 
 async def no_sleep(_: float) -> None:
     return None
 
 
-async def test_discovery_refused_while_rbac_loads_is_waited_out_and_said_once(
+async def test_a_list_refused_while_rbac_loads_is_waited_out_and_said_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     api = StartingApi(refusals=3)
@@ -46,12 +45,13 @@ async def test_discovery_refused_while_rbac_loads_is_waited_out_and_said_once(
     assert tries == 4
     assert api.lists == [None]  # all namespaces
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "403" in warnings[0].getMessage()
+    assert len(warnings) == 1
+    assert "RBAC forbids the operator to list vllmdataparallels" in warnings[0].getMessage()
     assert "after 4 tries" in caplog.text
 
 
 async def test_each_watched_namespace_must_list_the_kind() -> None:
-    api = StartingApi(refusals=0, list_refusals=1)  # the CRD not served yet: 404
+    api = StartingApi(refusals=1, status=404)  # the CRD not served yet
     assert await wait_until_served(api, ("a", "b"), sleep=no_sleep) == 2
     assert api.lists == ["a", "b"]
 

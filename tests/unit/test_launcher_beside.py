@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from vllm_dp_launcher.beside import PreflightBeside
 from vllm_dp_launcher.errors import PreflightError
@@ -30,7 +31,7 @@ def group_gone(pgid: int) -> bool:
     return False
 
 
-def fail() -> None:
+def fail(cancelled: object) -> None:
     raise PreflightError("network preflight failed")
 
 
@@ -65,8 +66,29 @@ def test_a_stop_already_forwarded_is_left_to_run_its_course() -> None:
 def test_a_passing_preflight_leaves_the_engine_alone() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"],
                              process_group=0)  # fmt: skip
-    beside = PreflightBeside(lambda: None, timeout=1)
+    beside = PreflightBeside(lambda cancelled: None, timeout=1)
 
     beside.start(child, stopping=lambda: False)
     assert child.wait(timeout=10) == 0
     assert beside.settle(stopped=False) is None
+
+
+def test_a_stop_cancels_a_running_preflight_and_waits_for_its_end() -> None:
+    """The launcher's exit shuts Ray down: a preflight still on it would die of that."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"], process_group=0)
+    ended: list[str] = []
+
+    def slow(cancelled: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not cancelled() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ended.append("cancelled" if cancelled() else "timed out")
+
+    beside = PreflightBeside(slow, timeout=30)
+    beside.start(child, stopping=lambda: True)
+    child.wait(timeout=10)
+    started = time.monotonic()
+
+    assert beside.settle(stopped=True) is None
+    assert time.monotonic() - started < 2
+    assert ended == ["cancelled"] and beside.finished

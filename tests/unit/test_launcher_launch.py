@@ -57,7 +57,7 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(raycluster, "list_gpu_nodes", lambda: state["nodes"])
     monkeypatch.setattr(raycluster, "gpu_holders", lambda: state["holders"])
 
-    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float) -> None:
+    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float, cancelled: Any) -> None:
         state["preflight"] += 1
 
     monkeypatch.setattr(cli, "run_preflight", preflight)
@@ -191,7 +191,7 @@ def test_vllm_starts_while_the_preflight_runs(
     marker = tmp_path / "engine-started"
     seen: list[str] = []
 
-    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float) -> None:
+    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float, cancelled: Any) -> None:
         deadline = time.monotonic() + 10
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -219,7 +219,7 @@ def test_failed_preflight_stops_the_starting_engine_and_names_the_node(
     fails, and the launch ends with the preflight's status and cause, not the engine's."""
     marker = tmp_path / "engine-started"
 
-    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float) -> None:
+    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float, cancelled: Any) -> None:
         deadline = time.monotonic() + 10
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -248,7 +248,7 @@ def test_engine_failing_fast_waits_for_the_preflight_to_name_the_node(
     """vLLM ending on its own before the preflight's verdict: the verdict is waited for, and
     a failed preflight is what the launch ends with (it names the node; vLLM does not)."""
 
-    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float) -> None:
+    def preflight(own_ip: str, nodes: list[GpuNode], timeout: float, cancelled: Any) -> None:
         time.sleep(0.5)
         raise PreflightError("network preflight failed: 10.0.0.2 unreachable")
 

@@ -262,11 +262,6 @@ class ApiKube:
         )  # fmt: skip
         return obj
 
-    async def get_path(self, path: str) -> dict[str, Any]:
-        """GET one API path as JSON (discovery documents: `/api`, `/apis`)."""
-        doc: dict[str, Any] = await self._call("GET", path)
-        return doc
-
     async def list_page(
         self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None
     ) -> dict[str, Any]:
