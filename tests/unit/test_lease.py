@@ -40,6 +40,7 @@ class FakeLeases:
         self.rv = 0
         self.down = False
         self.writes = 0
+        self.reads = 0
 
     def _bump(self, body: dict[str, Any]) -> dict[str, Any]:
         self.rv += 1
@@ -50,6 +51,7 @@ class FakeLeases:
         return copy.deepcopy(body)
 
     async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
         if self.down:
             raise OSError("connection refused")
         return copy.deepcopy(self.lease)
@@ -99,6 +101,55 @@ async def test_renew_keeps_the_lease_and_a_standby_waits() -> None:
         assert not await b.try_acquire_or_renew()
     assert a.may_write() and not b.may_write()
     assert api.holder == "a"
+
+
+async def test_a_leader_renews_with_one_put_and_reads_nothing() -> None:
+    api, clock = FakeLeases(), Clock()
+    a = elector(api, clock, "a")
+    assert await a.try_acquire_or_renew()
+    reads, writes = api.reads, api.writes
+    for _ in range(30):  # a minute of renewals
+        clock.advance(2)
+        assert await a.try_acquire_or_renew()
+    assert (api.reads - reads, api.writes - writes) == (0, 30)
+    spec = api.lease["spec"] if api.lease else {}
+    assert spec["holderIdentity"] == "a" and spec["leaseTransitions"] == 0
+
+
+async def test_a_renewal_whose_answer_was_lost_is_read_again_and_kept() -> None:
+    api, clock = FakeLeases(), Clock()
+    a = elector(api, clock, "a")
+    assert await a.try_acquire_or_renew()
+    real_replace = api.replace
+
+    async def lands_unanswered(namespace: str, name: str, body: dict[str, Any]) -> Any:
+        await real_replace(namespace, name, body)
+        raise TimeoutError("the answer never came")
+
+    api.replace = lands_unanswered  # type: ignore[method-assign]
+    clock.advance(2)
+    await a.try_acquire_or_renew()  # landed, but a does not know it
+    api.replace = real_replace  # type: ignore[method-assign]
+    clock.advance(2)
+    reads = api.reads
+    # The blind PUT meets a newer resourceVersion (409): the same attempt reads and renews.
+    assert await a.try_acquire_or_renew()
+    assert api.reads == reads + 1 and api.holder == "a" and a.may_write()
+    clock.advance(2)
+    assert await a.try_acquire_or_renew() and api.reads == reads + 1  # blind again
+
+
+async def test_a_takeover_seen_by_a_blind_renewal_closes_the_gate() -> None:
+    api, clock = FakeLeases(), Clock()
+    a = elector(api, clock, "a")
+    assert await a.try_acquire_or_renew()
+    assert api.lease is not None
+    taken = copy.deepcopy(api.lease)
+    taken["spec"]["holderIdentity"] = "b"
+    api._bump(taken)  # written by another process (say, after a's lease expired by its clock)
+    clock.advance(2)
+    assert not await a.try_acquire_or_renew()
+    assert not a.leading and not a.may_write() and a.holder == "b" and api.holder == "b"
 
 
 async def test_expiry_is_measured_from_when_the_standby_saw_the_record_change() -> None:

@@ -45,6 +45,11 @@ class TimedLeases(FakeLeases):
             await asyncio.Event().wait()  # a request that never answers
         return await super().get(namespace, name)
 
+    async def replace(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self.hang:
+            await asyncio.Event().wait()  # a leader's renewal is a PUT alone
+        return await super().replace(namespace, name, body)
+
 
 def _busy(seconds: float) -> None:
     """Hold the calling thread's loop with CPU work, never yielding to it."""
@@ -114,9 +119,11 @@ async def test_on_its_own_thread_the_gate_closes_at_the_renew_deadline_when_rene
     try:
         await asyncio.wait_for(started.wait(), 2)
         api.hang = True  # every renewal from now on hangs
-        await asyncio.sleep(0.02)  # one already past its read lands meanwhile
+        await asyncio.sleep(0.02)  # one already past its request's start lands meanwhile
         last = api.written_at[-1]
+        give_up = time.monotonic() + 10 * CFG.renew_deadline
         while elector.may_write():
+            assert time.monotonic() < give_up, f"the gate never closed: {elector.healthy()}"
             await asyncio.sleep(0.005)
         closed = time.monotonic()
         # Closed by the clock, counted from when the last good renewal was sent (just before

@@ -6,7 +6,10 @@ One process holds the Lease and writes; the others keep their caches warm and wa
   this process last saw the record change, never from the record's renewTime, which another
   machine's clock wrote. A record with no holder (released on a clean shutdown) is free at once.
 - **Renew**: the holder updates renewTime every retry period. When no renewal succeeded within
-  the renew deadline, or the record names someone else, leadership is lost.
+  the renew deadline, or the record names someone else, leadership is lost. As client-go's
+  fast path does, a holder renews with one PUT on the record it last wrote, and reads the
+  record first only when that PUT did not land (a 409, or no answer): at rest a leader makes
+  one request per retry period, not two.
 - **The write gate**: `may_write()` holds only while this process leads and its last renewal
   *began* within the renew deadline. The deadline (10 s) is shorter than the lease (15 s), so a
   process that cannot renew stops writing at least 5 s before any standby may take over.
@@ -166,6 +169,9 @@ class LeaderElector:
         #: The record as last seen, and when this process saw it change (monotonic).
         self._observed: dict[str, Any] | None = None
         self._observed_at = float("-inf")
+        #: The Lease object as this process last wrote it (its resourceVersion is the next
+        #: renewal's precondition), or None when the next attempt must read the record first.
+        self._written: dict[str, Any] | None = None
         #: When the Lease API last answered, and the last error when it did not.
         self._answered_at = float("-inf")
         self._api_error = "no Lease request made yet"
@@ -202,6 +208,7 @@ class LeaderElector:
     def _stop_leading(self) -> None:
         with self._lock:
             self._leading = False
+        self._written = None
 
     def check(self) -> None:
         """Raise NotLeading unless this process may write now."""
@@ -255,6 +262,8 @@ class LeaderElector:
     async def try_acquire_or_renew(self) -> bool:
         """One attempt to take or keep the Lease; whether this process holds it after."""
         sent_at = self._clock()
+        if self._written is not None and self.may_write() and await self._renew_blind(sent_at):
+            return True
         try:
             current = await self.api.get(self.cfg.namespace, self.cfg.name)
         except Exception as exc:  # any failure to reach the API: not ready, try again
@@ -283,6 +292,30 @@ class LeaderElector:
             self.api.replace(self.cfg.namespace, self.cfg.name, body), spec, sent_at
         )
 
+    async def _renew_blind(self, sent_at: float) -> bool:
+        """Renew with one PUT on the record as last written; whether it landed. When it did
+        not, the caller reads the record (the same attempt, as client-go does)."""
+        last, self._written = self._written, None
+        assert last is not None
+        spec = self._spec(last.get("spec") or {}, self._wall())
+        try:
+            written = await self.api.replace(self.cfg.namespace, self.cfg.name,
+                                             {**last, "spec": spec})  # fmt: skip
+        except Conflict:
+            return False  # changed since (another's takeover, or our timed-out renewal landed)
+        except Exception as exc:
+            self._api_error = repr(exc)[:300]
+            return False
+        self._answered_at = self._clock()
+        self._won((written or {}).get("spec") or spec, sent_at)
+        self._keep(written)
+        return True
+
+    def _keep(self, written: Any) -> None:
+        has_version = isinstance(written, dict) and (written.get("metadata") or {}).get(
+            "resourceVersion")
+        self._written = written if has_version and self.leading else None
+
     async def _write(self, call: Any, spec: dict[str, Any], sent_at: float) -> bool:
         try:
             written = await call
@@ -297,6 +330,7 @@ class LeaderElector:
             return self.may_write()
         self._answered_at = self._clock()
         self._won((written or {}).get("spec") or spec, sent_at)
+        self._keep(written)
         return True
 
     # ------------------------------------------------------------------ the loop
