@@ -13,10 +13,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,22 @@ def _testbed(testbed: Any, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def kueue(testbed: Any) -> Iterator[None]:
+def operator(testbed: Any, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[OperatorProcess]:  # fmt: skip
+    """Started before Kueue is installed: every test here needs it to notice Kueue's
+    Workloads with no restart."""
+    KUEUE_BEFORE.append(testbed.kubectl("get", "crd", "workloads.kueue.x-k8s.io",
+                                        check=False).returncode == 0)  # fmt: skip
+    yield from run_operator(testbed, tmp_path_factory)
+
+
+#: Whether Kueue's CRDs were on the bed when the module's operator started (`kueue-down`
+#: keeps them, so a bed reused after an earlier run has them).
+KUEUE_BEFORE: list[bool] = []
+
+
+@pytest.fixture(scope="module")
+def kueue(testbed: Any, operator: OperatorProcess) -> Iterator[None]:
     """Kueue with its webhooks and the bed's ClusterQueue, for this module only."""
     up = _testbed(testbed, "kueue-up")
     if up.returncode != 0:
@@ -58,12 +76,6 @@ def kueue(testbed: Any) -> Iterator[None]:
             time.sleep(1)
         down = _testbed(testbed, "kueue-down")
         assert down.returncode == 0, down.stderr
-
-
-@pytest.fixture(scope="module")
-def operator(testbed: Any, kueue: None, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[OperatorProcess]:  # fmt: skip
-    yield from run_operator(testbed, tmp_path_factory)
 
 
 @pytest.fixture
@@ -124,6 +136,38 @@ def operator_writes(testbed: Any, ns: str, resource: str, name: str) -> list[str
             out.append(f"{ev['requestReceivedTimestamp']} {ev['verb']} "
                        f"{ref.get('subresource') or ''}")
     return out
+
+
+#: A kopf log line's time: `[2026-12-04 16:14:02,123] ...`.
+_LOGGED = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
+
+
+def logged_at(log: str, needle: str) -> float | None:
+    """When the first line holding `needle` was logged (seconds, the process's local clock)."""
+    for line in log.splitlines():
+        found = _LOGGED.match(line)
+        if found and needle in line:
+            return datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return None
+
+
+def test_kueue_installed_after_the_operator_is_listed_once_its_crd_serves(
+    testbed: Any, operator: OperatorProcess, kueue: None
+) -> None:
+    """Before Kueue, the Workloads' reflector waited on a watch of Kueue's CRD (no LIST a
+    minute); the CRD's watch saw it serve, and the reflector listed at once."""
+    if KUEUE_BEFORE[0]:
+        pytest.skip("Kueue's CRDs were on this bed before its operator started (an earlier "
+                    "run's; kueue-down keeps them): 'installed later' needs a fresh bed, as CI's")
+    log = operator.log.read_text(errors="replace")
+    serves = logged_at(log, "CrdPresence(workloads.kueue.x-k8s.io): serves v1beta2")
+    listed = logged_at(log, "Reflector(workloads, all namespaces): listed again")
+    assert serves is not None and listed is not None, operator.log_tail()
+    assert 0 <= listed - serves < 5, (serves, listed, operator.log_tail())
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz", timeout=5) as r:
+        reflectors = json.load(r)["controller"]["reflectors"]
+    assert reflectors["workloads"]["lists"] >= 1, reflectors
+    assert reflectors["customresourcedefinitions"]["lists"] >= 1, reflectors
 
 
 def test_second_resource_queues_with_kueues_reason_and_is_admitted_when_the_first_goes(

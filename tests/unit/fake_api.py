@@ -21,6 +21,15 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from vllm_dp_operator.controller.kube import Kind
 
 
+def _named(obj: dict[str, Any], fields: str) -> bool:
+    """The one field selector the operator sends: `metadata.name=<name>` (or none)."""
+    if not fields:
+        return True
+    key, _, value = fields.partition("=")
+    assert key == "metadata.name", f"field selector {fields!r} is not one this double knows"
+    return bool(obj["metadata"].get("name") == value)
+
+
 class FakeApi(FakeKube):
     """FakeKube with resourceVersions, paginated lists, watches and status patches."""
 
@@ -110,12 +119,14 @@ class FakeApi(FakeKube):
         return copy.deepcopy(obj)
 
     async def list_page(
-        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None
-    ) -> dict[str, Any]:
+        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None,
+        fields: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
         self.calls["list_page"] += 1
         found = [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items(),
                                                               key=lambda kv: kv[0][1:])
-                 if k == kind and (namespace in (None, ns)) and _matches(o, selector)]  # fmt: skip
+                 if k == kind and (namespace in (None, ns)) and _matches(o, selector)
+                 and _named(o, fields)]  # fmt: skip
         start = int(cont or 0)
         page = found[start : start + limit]
         more = start + limit < len(found)
@@ -124,7 +135,7 @@ class FakeApi(FakeKube):
 
     async def watch(
         self, kind: Kind, namespace: str | None, selector: str, resource_version: str,
-        timeout_seconds: int,
+        timeout_seconds: int, fields: str = "",
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         self.calls["watch"] += 1
         since = int(resource_version or 0)
@@ -141,7 +152,7 @@ class FakeApi(FakeKube):
                     since = rv
                     if namespace in (None, obj["metadata"].get("namespace")) and _matches(
                         obj, selector
-                    ):
+                    ) and _named(obj, fields):
                         yield {"type": type_, "object": copy.deepcopy(obj)}
                 await self._changed.wait()
         finally:

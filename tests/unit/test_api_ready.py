@@ -20,7 +20,7 @@ class StartingApi:
         self.lists: list[str | None] = []
 
     async def list_page(self, kind: Kind, namespace: str | None, selector: str, limit: int,
-                        cont: str | None) -> dict[str, Any]:  # fmt: skip
+                        cont: str | None, fields: str = "") -> dict[str, Any]:  # fmt: skip
         if self.refusals:
             self.refusals -= 1
             raise ApiException(status=self.status, reason="Forbidden")
@@ -28,7 +28,7 @@ class StartingApi:
         return {"items": []}
 
     def watch(self, kind: Kind, namespace: str | None, selector: str, resource_version: str,
-              timeout_seconds: int) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+              timeout_seconds: int, fields: str = "") -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         raise AssertionError("waiting to be served never watches")
 
 

@@ -378,11 +378,12 @@ class _Breaks(FakeApi):
         self.watched_from: list[str] = []
 
     async def watch(self, kind: Kind, namespace: str | None, selector: str,
-                    resource_version: str, timeout_seconds: int) -> Any:  # fmt: skip
+                    resource_version: str, timeout_seconds: int,
+                    fields: str = "") -> Any:  # fmt: skip
         self.watched_from.append(resource_version)
         seen = 0
         async for event in super().watch(kind, namespace, selector, resource_version,
-                                         timeout_seconds):  # fmt: skip
+                                         timeout_seconds, fields):  # fmt: skip
             yield event
             seen += 1
             if len(self.watched_from) == 1 and seen == 2:

@@ -24,6 +24,7 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller import informer
 from vllm_dp_operator.controller.kube import (
+    CRD,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -74,17 +75,18 @@ class RefusingApi(FakeApi):
             raise ApiException(status=status, reason="Not Found")
 
     async def list_page(self, kind: Kind, namespace: str | None, selector: str, limit: int,
-                        cont: str | None) -> dict[str, Any]:  # fmt: skip
+                        cont: str | None, fields: str = "") -> dict[str, Any]:  # fmt: skip
         self.calls[f"list {kind.plural}"] += 1
         self._refuse(kind, "list")
-        return await super().list_page(kind, namespace, selector, limit, cont)
+        return await super().list_page(kind, namespace, selector, limit, cont, fields)
 
     async def watch(self, kind: Kind, namespace: str | None, selector: str,
-                    resource_version: str, timeout_seconds: int,
+                    resource_version: str, timeout_seconds: int, fields: str = "",
                     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        self.calls[f"watch {kind.plural}"] += 1
         self._refuse(kind, "watch")
         async for event in super().watch(kind, namespace, selector, resource_version,
-                                         timeout_seconds):  # fmt: skip
+                                         timeout_seconds, fields):  # fmt: skip
             yield event
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -252,9 +254,9 @@ async def test_a_slow_first_list_says_nothing_on_resources(bed: Bed) -> None:
     gate = asyncio.Event()
     listed = bed.api.list_page
 
-    async def slow(*args: Any) -> dict[str, Any]:
+    async def slow(*args: Any, **kwargs: Any) -> dict[str, Any]:
         await gate.wait()
-        return await listed(*args)
+        return await listed(*args, **kwargs)
 
     bed.api.list_page = slow  # type: ignore[method-assign]
     bed.ctl.start()
@@ -318,3 +320,51 @@ async def test_kueue_absent_or_unreadable_blocks_nothing(bed: Bed, status: int) 
     reason = c.REASON_KIND_NOT_SERVED if status == 404 else c.REASON_WATCH_FORBIDDEN
     assert (bed.failures("workloads.kueue.x-k8s.io/v1beta2", reason) or 0) >= 1
     assert bed.watch_ready("rayclusters.ray.io/v1") == 1
+
+
+def kueue_crd(established: bool = True, served: bool = True) -> dict[str, Any]:
+    """Kueue's Workload CRD as the API server shows it."""
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": "workloads.kueue.x-k8s.io"},
+            "spec": {"group": "kueue.x-k8s.io", "versions": [
+                {"name": "v1beta1", "served": True}, {"name": "v1beta2", "served": served}]},
+            "status": {"conditions": [{"type": "Established",
+                                       "status": "True" if established else "False"}]}}
+
+
+async def test_kueue_installed_later_is_listed_at_once_and_asked_for_nothing_meanwhile(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # Absent, the Workloads' reflector used to LIST every 60 s: the one request at rest that a
+    # timer made. Now it waits on a watch of Kueue's CRD, and lists when the CRD serves.
+    monkeypatch.setattr(informer, "OPTIONAL_RETRY_SECONDS", HOUR)  # a poll would never come
+    bed.api.refused = {WORKLOAD: 404}
+    bed.ctl.start()
+    bed.add_owner()
+    await bed.until("the children", lambda: bed.api.named(RAYCLUSTER))
+    await bed.until("the CRD watched", lambda: bed.api.streams[CRD] == 1)
+    asked = bed.api.calls["list workloads"]
+    assert asked >= 1 and bed.ctl.ready()[0]
+    # Another CRD, and Kueue's before it is Established or serves v1beta2: still absent.
+    bed.api.put(CRD, {**kueue_crd(), "metadata": {"name": "rayclusters.ray.io"}}, namespace="")
+    bed.api.put(CRD, kueue_crd(established=False), namespace="")
+    bed.api.put(CRD, {**kueue_crd(served=False), "metadata": {
+        "name": "workloads.kueue.x-k8s.io", "resourceVersion": "1"}}, namespace="")
+    await asyncio.sleep(0.3)
+    assert bed.api.calls["list workloads"] == asked and not bed.ctl.kueue.served.is_set()
+    assert bed.api.calls["list customresourcedefinitions"] == 1  # one LIST, then the watch
+    bed.api.refused = {}  # Kueue installed: its CRD serves, and the Workloads are listed
+    bed.api.put(CRD, kueue_crd(), namespace="")
+    await bed.until("the Workloads listed", lambda: bed.ctl.reflectors[-1].lists == 1, 5.0)
+    assert bed.ctl.kueue.served.is_set()
+    # Uninstalled again: the CRD's deletion is seen, and the reflector waits on it again.
+    await bed.api.delete(CRD, "", "workloads.kueue.x-k8s.io")
+    await bed.until("the CRD's deletion seen", lambda: not bed.ctl.kueue.served.is_set())
+
+
+async def test_a_crd_that_cannot_be_read_falls_back_to_asking_every_minute(bed: Bed) -> None:
+    bed.api.refused = {WORKLOAD: 404, CRD: 403}
+    bed.ctl.start()
+    await bed.until("the CRD's refusal", lambda: bed.ctl.kueue.blind.is_set())
+    assert await asyncio.wait_for(bed.ctl.kueue.until_served(), 1) is False
+    assert bed.ctl.health()["reflectors"]["customresourcedefinitions"]["watches"] == 0

@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.controller.kube import (
+    CRD,
     ENDPOINTSLICE,
     POD,
     RAYCLUSTER,
@@ -93,6 +94,14 @@ def _slim_slice(obj: Obj) -> Obj:
     return {k: obj[k] for k in ("addressType", "endpoints", "ports") if k in obj}
 
 
+def _slim_crd(obj: Obj) -> Obj:
+    # Which versions it serves, and whether it is Established: not its (large) schema.
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    return {"spec": {"versions": [{"name": v.get("name"), "served": v.get("served")}
+                                  for v in spec.get("versions") or []]},
+            "status": {"conditions": status.get("conditions") or []}}  # fmt: skip
+
+
 def _slim_whole(obj: Obj) -> Obj:
     return {"spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
 
@@ -100,7 +109,7 @@ def _slim_whole(obj: Obj) -> Obj:
 _SLIM: dict[Kind, Callable[[Obj], Obj]] = {
     RAYCLUSTER: _slim_cluster, RAYJOB: _slim_job, POD: _slim_pod,
     SERVICE: _slim_whole, VDP: _slim_whole, WORKLOAD: _slim_workload,
-    ENDPOINTSLICE: _slim_slice,
+    ENDPOINTSLICE: _slim_slice, CRD: _slim_crd,
 }  # fmt: skip
 
 

@@ -39,19 +39,21 @@ class GatedApi:
         return obj
 
     async def list_page(
-        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None
-    ) -> dict[str, Any]:
+        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None,
+        fields: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
         """One page of a LIST (not gated)."""
-        page: dict[str, Any] = await self._api.list_page(kind, namespace, selector, limit, cont)
+        page: dict[str, Any] = await self._api.list_page(kind, namespace, selector, limit, cont,
+                                                         fields=fields)  # fmt: skip
         return page
 
     def watch(
         self, kind: Kind, namespace: str | None, selector: str, resource_version: str,
-        timeout_seconds: int,
+        timeout_seconds: int, fields: str = "",
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Watch events (not gated)."""
         stream: AsyncIterator[dict[str, Any]] = self._api.watch(
-            kind, namespace, selector, resource_version, timeout_seconds
+            kind, namespace, selector, resource_version, timeout_seconds, fields=fields
         )
         return stream
 

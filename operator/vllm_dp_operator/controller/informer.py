@@ -14,7 +14,9 @@ client-go's:
 - network errors retry the watch with a backoff capped at RETRY_CAP_SECONDS;
 - a kind not served (404) or not readable (403) is retried the same way; each cause is logged
   once, not at every retry, and kept in `problem` for readiness, metrics and the resources'
-  conditions (`watch_health.py`) until a LIST succeeds or a WATCH stays open.
+  conditions (`watch_health.py`) until a LIST succeeds or a WATCH stays open;
+- an optional kind that is not served waits, with no request, until a watch of its CRD says
+  it is (`crd_presence.py`), instead of asking again every minute.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
@@ -48,8 +50,9 @@ REFUSED_AFTER_SECONDS = 10.0
 #: A watch open this long without an error is working: its problem is gone. Longer than the
 #: watch's connect timeout (10 s), so a connection still being attempted is no proof.
 WATCH_WORKS_SECONDS = 15.0
-#: An optional kind (Kueue's Workloads) that is not served or not readable is looked for again
-#: this often: Kueue installed later is seen within a minute, at one request a minute.
+#: An optional kind (Kueue's Workloads) that is not readable (403), or not served where its CRD
+#: cannot be watched, is looked for again this often. Not served, it waits on its CRD's watch
+#: (`until_served`): Kueue installed later is seen at once, at no request while it is absent.
 OPTIONAL_RETRY_SECONDS = 60.0
 
 
@@ -57,14 +60,15 @@ class WatchApi(Protocol):
     """What a reflector needs from the API: paginated lists and a watch stream."""
 
     async def list_page(
-        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None
-    ) -> dict[str, Any]:
-        """One page of a LIST."""
+        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None,
+        fields: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
+        """One page of a LIST (`fields`: a field selector)."""
         ...
 
     def watch(
         self, kind: Kind, namespace: str | None, selector: str, resource_version: str,
-        timeout_seconds: int,
+        timeout_seconds: int, fields: str = "",
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Watch events from a resourceVersion on."""
         ...
@@ -82,12 +86,18 @@ class Reflector:
         selector: str, on_change: Callable[[Obj], None], page_size: int = 500,
         watch_seconds: tuple[int, int] = (300, 600),
         on_health: Callable[[], None] = lambda: None, optional: bool = False,
+        until_served: Callable[[], Awaitable[bool]] | None = None, fields: str = "",
     ) -> None:  # fmt: skip
         self.api, self.cache, self.kind = api, cache, kind
         #: A kind some clusters lack (Kueue's): absent or unreadable, it is an empty cache, not
         #: a reason to serve no resource.
         self.optional = optional
+        #: For an optional kind: returns once the kind may be served again (True), or at once
+        #: with False when that cannot be known (then it is asked every OPTIONAL_RETRY_SECONDS).
+        self.until_served = until_served
         self.namespace, self.selector = namespace, selector
+        #: A field selector beside the label selector (`metadata.name=...`), or "".
+        self.fields = fields
         self.on_change = on_change
         self.page_size = page_size
         self.watch_seconds = watch_seconds
@@ -138,8 +148,12 @@ class Reflector:
                 problem = diagnose(self.kind, verb, self.namespace, exc)
                 self._failed(problem)
                 if self.optional and problem.blocks:
-                    delay = OPTIONAL_RETRY_SECONDS
                     self._absent()
+                    # Absent, it costs no request until its CRD serves it; then the backoff
+                    # covers an API server that serves the CRD a moment before the kind.
+                    if not (problem.not_served and self.until_served is not None
+                            and await self.until_served()):  # fmt: skip
+                        delay = OPTIONAL_RETRY_SECONDS
 
     def _absent(self) -> None:
         # What was cached is gone with the kind (a deleted CRD takes its objects along).
@@ -211,7 +225,7 @@ class Reflector:
         cont: str | None = None
         while True:
             page = await self.api.list_page(self.kind, self.namespace, self.selector,
-                                            self.page_size, cont)  # fmt: skip
+                                            self.page_size, cont, fields=self.fields)  # fmt: skip
             self.pages += 1
             # Slimmed page by page: a relist holds at most one page as the API sent it (pod
             # templates, managedFields), never the whole unslimmed list.
@@ -229,7 +243,8 @@ class Reflector:
     async def _watch(self, rv: str) -> None:
         self.watches += 1
         timeout = random.randint(*self.watch_seconds)
-        async for event in self.api.watch(self.kind, self.namespace, self.selector, rv, timeout):
+        async for event in self.api.watch(self.kind, self.namespace, self.selector, rv, timeout,
+                                          fields=self.fields):  # fmt: skip
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":
                 if obj.get("code") == 410:

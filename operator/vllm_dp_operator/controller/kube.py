@@ -55,6 +55,8 @@ SECRET = Kind("", "v1", "secrets")
 #: Kueue's Workloads (one per RayCluster in a LocalQueue); watched only where Kueue is installed.
 WORKLOAD = Kind(constants.KUEUE_GROUP, constants.KUEUE_VERSION, "workloads")
 ENDPOINTSLICE = Kind("discovery.k8s.io", "v1", "endpointslices")
+#: Cluster-scoped: only Kueue's one CRD is watched (by name), to see Workloads become served.
+CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 #: Only deleted, once, when a Service of an earlier version loses its selector: the endpoints
 #: controller leaves its last Endpoints behind, which the mirroring controller would copy.
 ENDPOINTS = Kind("", "v1", "endpoints")
@@ -263,10 +265,13 @@ class ApiKube:
         return obj
 
     async def list_page(
-        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None
-    ) -> dict[str, Any]:
+        self, kind: Kind, namespace: str | None, selector: str, limit: int, cont: str | None,
+        fields: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
         """One page of a LIST (the whole list document: items, metadata.continue, RV)."""
         query = [("labelSelector", selector), ("limit", str(limit))]
+        if fields:
+            query.append(("fieldSelector", fields))
         if cont:
             query.append(("continue", cont))
         page: dict[str, Any] = await self._call("GET", kind.collection(namespace), query=query)
@@ -274,7 +279,7 @@ class ApiKube:
 
     async def watch(
         self, kind: Kind, namespace: str | None, selector: str, resource_version: str,
-        timeout_seconds: int,
+        timeout_seconds: int, fields: str = "",
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Watch events from a resourceVersion on, as dicts, until the server ends the stream.
 
@@ -288,6 +293,8 @@ class ApiKube:
             ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
             ("timeoutSeconds", str(timeout_seconds)),
         ]  # fmt: skip
+        if fields:
+            query.append(("fieldSelector", fields))
         timeout = aiohttp.ClientTimeout(sock_connect=10, sock_read=min(timeout_seconds + 60, 130))
         resp = await self._api.call_api(
             kind.collection(namespace), "GET",

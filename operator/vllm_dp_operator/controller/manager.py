@@ -54,9 +54,11 @@ from vllm_dp_operator.controller.cache import (
     json_copy,
     owner_key,
 )
+from vllm_dp_operator.controller.crd_presence import CrdPresence
 from vllm_dp_operator.controller.events import EventPoster
 from vllm_dp_operator.controller.informer import Reflector, WatchApi
 from vllm_dp_operator.controller.kube import (
+    CRD,
     ENDPOINTSLICE,
     NETWORKPOLICY,
     POD,
@@ -161,7 +163,7 @@ class Controller:
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
         self.post_event = post_event or self._post
         self.clock = clock
-        self.cache = ObjectCache((*CHILD_KINDS, WORKLOAD, VDP))
+        self.cache = ObjectCache((*CHILD_KINDS, WORKLOAD, VDP, CRD))
         self.kube = CachedKube(api, self.cache)
         self.queue: WorkQueue[Key] = WorkQueue()
         # One reflector per kind and watched namespace (a Role grants list/watch in its own
@@ -173,10 +175,13 @@ class Controller:
             for kind in CHILD_KINDS for namespace in (tuple(namespaces) or (None,))
         ]  # fmt: skip
         # Kueue's Workloads carry no label of ours (Kueue makes them): all of them are watched,
-        # slimmed to their conditions, where Kueue is installed, and none where it is not.
+        # slimmed to their conditions, where Kueue is installed, and none where it is not;
+        # there, one watch of Kueue's CRD says when it is installed, with no request meanwhile.
+        self.kueue = CrdPresence(api, self.cache, WORKLOAD)
         self.reflectors += [
             Reflector(api, self.cache, WORKLOAD, namespace, "", self._workload_changed,
-                      on_health=self._watch_health_changed, optional=True)
+                      on_health=self._watch_health_changed, optional=True,
+                      until_served=self.kueue.until_served)
             for namespace in (tuple(namespaces) or (None,))
         ]  # fmt: skip
         #: What the resources were last woken for: (synced, the blocking causes).
@@ -240,6 +245,8 @@ class Controller:
             self._tasks += self.poster.start()
         self._tasks += self.status.start()
         self._tasks += self.probes.start()
+        self._tasks.append(asyncio.create_task(self.kueue.reflector.run(),
+                                              name=repr(self.kueue.reflector)))
         for reflector in self.reflectors:
             self._tasks.append(asyncio.create_task(reflector.run(), name=repr(reflector)))
         for i in range(self.cfg.workers):
@@ -356,6 +363,9 @@ class Controller:
             row["lists"] += r.lists
             row["pages"] += r.pages
             row["watches"] += r.watches
+        crd = self.kueue.reflector
+        out["customresourcedefinitions"] = {"lists": crd.lists, "pages": crd.pages,
+                                            "watches": crd.watches}  # fmt: skip
         return out
 
     def resource_states(self) -> list[tuple[Key, dict[str, Any]]]:
