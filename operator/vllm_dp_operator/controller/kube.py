@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -133,6 +135,27 @@ def resession(
         trace_configs=trace_configs,
     )  # fmt: skip
     old.detach()
+
+
+#: TCP keepalive on a watch's connection: the first probe after this many idle seconds, then
+#: one every KEEPALIVE_INTERVAL; KEEPALIVE_COUNT unanswered ones end the connection, so a
+#: half-open watch (the API server's host gone, a NAT entry dropped) ends within about 90 s.
+KEEPALIVE_IDLE = 60
+KEEPALIVE_INTERVAL = 10
+KEEPALIVE_COUNT = 3
+
+
+def keep_alive(transport: asyncio.BaseTransport) -> None:
+    """Turn on TCP keepalive probes for the connection under `transport`, where the platform
+    has them; they are packets, not requests, and cost the API server nothing."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
 
 
 class ApiKube:
@@ -283,10 +306,13 @@ class ApiKube:
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Watch events from a resourceVersion on, as dicts, until the server ends the stream.
 
-        The server sends a bookmark about every minute on a quiet stream, so two minutes of
-        silence means a half-open connection: the read times out and the caller resumes,
-        instead of hanging for ever. Lines are split here, not by aiohttp's readline, which
-        refuses lines over 128 KiB.
+        A quiet stream is no dead one: the watch cache sends a bookmark only once its kind's
+        resourceVersion has moved, so a kind nobody changes stays silent until the server ends
+        the watch at `timeout_seconds` (a 130 s silence cut-off renewed every quiet watch every
+        130 s, the operator's requests at rest). The read waits that long, plus a margin; TCP
+        keepalive probes (`keep_alive`, no API request) find a half-open connection sooner, and
+        the caller resumes. Lines are split here, not by aiohttp's readline, which refuses lines
+        over 128 KiB.
         """
         query = [
             ("watch", "true"), ("labelSelector", selector),
@@ -295,7 +321,7 @@ class ApiKube:
         ]  # fmt: skip
         if fields:
             query.append(("fieldSelector", fields))
-        timeout = aiohttp.ClientTimeout(sock_connect=10, sock_read=min(timeout_seconds + 60, 130))
+        timeout = aiohttp.ClientTimeout(sock_connect=10, sock_read=timeout_seconds + 60)
         resp = await self._api.call_api(
             kind.collection(namespace), "GET",
             query_params=query,
@@ -307,6 +333,8 @@ class ApiKube:
         try:
             if resp.status != 200:
                 raise ApiException(status=resp.status, reason=(await resp.text())[:500])
+            if resp.connection is not None and resp.connection.transport is not None:
+                keep_alive(resp.connection.transport)
             pending = bytearray()
             chunks = resp.content.iter_any()
             while True:
