@@ -34,6 +34,9 @@ from operator_proc import OperatorProcess, install_crd  # noqa: E402
 
 STATE = Path(os.environ.get("VLLMDP_TESTBED_DIR") or REPO / ".testbed").resolve()
 TESTBED_PY = REPO / "tests" / "testbed" / "testbed.py"
+#: The bed's API server logs every write here, and this bench's operator's reads, one JSON
+#: line each, with its user (the bed's `controlplane.audit_log` and `AUDIT_POLICY`).
+AUDIT_LOG = STATE / "logs" / "audit.log"
 FLOW_SCHEMA = "vllmdp-bench-operator"
 _WRITES = ["create", "update", "patch", "delete", "deletecollection"]
 #: The operator's requests by kind: FlowSchema name suffix -> (precedence, verbs, resources).
@@ -42,12 +45,13 @@ _WRITES = ["create", "update", "patch", "delete", "deletecollection"]
 #: long-running requests other than watches), so `proxy_requests` counts them instead.
 SCHEMAS: dict[str, tuple[int, list[str], list[str]]] = {
     "leases": (470, _WRITES, ["leases"]),  # leader election's renewals
+    "lease-reads": (475, ["get", "list", "watch"], ["leases"]),  # its reads of the record
     "status": (480, _WRITES, ["vllmdataparallels/status"]),
     "writes": (490, _WRITES, ["*"]),
 }
-#: The Lease's renewals, counted apart (about 1 request a second that no number of resources
-#: changes).
-LEASES = "leases"
+#: Leader election's requests, counted apart (a renewal every 2 s, whatever the number of
+#: resources): its writes, and its reads of the record (none while a leader's renewals land).
+LEASES = ("leases", "lease-reads")
 SYSTEM_NS = "vllmdp-bench-system"
 
 
@@ -95,6 +99,13 @@ class Testbed:
         if self.started_here:
             self._cli("down", timeout=120)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the bed's components that converging loads (the API server,
+        etcd, KubeRay, kwok), by name, from the PIDs the bed recorded."""
+        pids = json.loads((STATE / "pids.json").read_text())
+        names = ("kube-apiserver", "etcd", "kuberay-operator", "kwok")
+        return {n: cpu_seconds(pids[n]["pid"]) for n in names if n in pids}
+
     def operator_env(self) -> dict[str, str]:
         return {**self.env, "KUBECONFIG": str(self.kubeconfig),
                 "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -107,6 +118,12 @@ class Testbed:
         if check and proc.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
         return proc
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def shipped_settings(**over: str) -> dict[str, str]:
@@ -194,8 +211,7 @@ class BenchOperator:
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the operator process so far."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.pid)
 
     def memory_mib(self) -> dict[str, float]:
         """Current (VmRSS) and peak (VmHWM) resident memory, in MiB."""
@@ -240,6 +256,37 @@ def proxy_requests(metrics_text: str) -> float:
     bed only the operator sends any: its probes and Ray job API calls)."""
     return sum(float(value) for labels, value in _REQUESTS.findall(metrics_text)
                if 'resource="services"' in labels and 'subresource="proxy"' in labels)
+
+
+def audit_mark(log: Path = AUDIT_LOG) -> int:
+    """Where the audit log ends now: the start of a window for `audited`."""
+    return log.stat().st_size if log.exists() else 0
+
+
+def audited(start: int, log: Path = AUDIT_LOG) -> dict[str, int]:
+    """Requests in the API server's audit log from byte `start` on, by user, verb and resource:
+    every client's writes (KubeRay's status writes, for one, wake the operator, so while they
+    go on the bed is not at rest) and the bench operator's reads. A watch counts once, when it
+    starts."""
+    counts: dict[str, int] = {}
+    if not log.exists():
+        return {"no audit log": 1}
+    if log.stat().st_size < start:  # rotated: the writes before the rotation are not counted
+        counts["audit log rotated"], start = 1, 0
+    with log.open("rb") as f:
+        f.seek(start)
+        for line in f:
+            event = json.loads(line)
+            if event.get("verb") == "watch" and event.get("stage") != "ResponseStarted":
+                continue
+            who = event.get("user", {}).get("username", "?")
+            ref = event.get("objectRef") or {}
+            what = ref.get("resource", "?")
+            if ref.get("subresource"):
+                what += f"/{ref['subresource']}"
+            key = f"{who.removeprefix('system:serviceaccount:')} {event.get('verb')} {what}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def operator_requests(metrics_text: str, kinds: tuple[str, ...] | None = None) -> float:

@@ -46,6 +46,8 @@ from benchlib import (
     STATE,
     BenchOperator,
     Testbed,
+    audit_mark,
+    audited,
     median,
     operator_requests,
     operator_requests_by_kind,
@@ -393,10 +395,19 @@ async def _settle(b: Bench, quiet: float = 20, cap: float = 900) -> float:
     return time.perf_counter() - start
 
 
+def _step_cpu(b: Bench) -> dict[str, float]:
+    return {"operator": b.op.cpu_seconds(), "bench": time.process_time(), **b.tb.cpu_seconds()}
+
+
+def _top(counts: dict[str, int], n: int = 12) -> dict[str, int]:
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:n])
+
+
 async def _at_rest(b: Bench, seconds: float) -> dict[str, float]:
     text = await b.metrics()
     cpu0, req0 = b.op.cpu_seconds(), operator_requests(text)
-    lease0 = operator_requests(text, (LEASES,))
+    lease0 = operator_requests(text, LEASES)
+    audit0 = audit_mark()
     if req0 == 0:
         raise RuntimeError("the operator's FlowSchema has counted no request: API figures void")
     health0 = b.op.health()
@@ -405,7 +416,8 @@ async def _at_rest(b: Bench, seconds: float) -> dict[str, float]:
     await asyncio.sleep(seconds)
     text = await b.metrics()
     cpu1, req1 = b.op.cpu_seconds(), operator_requests(text)
-    lease = operator_requests(text, (LEASES,)) - lease0
+    lease = operator_requests(text, LEASES) - lease0
+    writes = audited(audit0)
     health1 = b.op.health()
     rec1, refl1 = health1.get("reconciles", 0), health1.get("reflectors") or {}
     by_kind = {k: v - by_kind0.get(k, 0.0) for k, v in operator_requests_by_kind(text).items()}
@@ -414,6 +426,9 @@ async def _at_rest(b: Bench, seconds: float) -> dict[str, float]:
                   for kind, row in refl1.items()}  # fmt: skip
     return {"cpu_pct": (cpu1 - cpu0) / seconds * 100, "api_rps": (req1 - req0) / seconds,
             "requests_by_schema": by_kind,
+            # Whether the bed was at rest too (every client's writes in the window), and the
+            # operator's own requests by verb and resource.
+            "audited": _top(writes, 20),
             "reflector_requests": {k: v for k, v in reflectors.items() if any(v.values())},
             "api_requests": req1 - req0, "lease_requests": lease,
             "api_rps_without_lease": (req1 - req0 - lease) / seconds,
@@ -441,20 +456,32 @@ async def p3_scale(b: Bench, sizes: list[int], rest: float,
         done_before = 0
         for size in sizes:
             names = {f"s{i}" for i in range(size)}
+            cpu0 = _step_cpu(b)
             start = time.perf_counter()
             await writers(size - done_before, lambda i, d=done_before: b.owner(ns, f"s{d + i}"))
             writes = time.perf_counter() - start
             await conv.wait(f"{size} resources converged", names, 3600)
             took = time.perf_counter() - start
-            steps.append({"n": size, "added": size - done_before, "seconds": took,
-                          "per_resource_ms": took / (size - done_before) * 1000,
+            added = size - done_before
+            # Where a step's time went as N grows: CPU per resource of the operator and of the
+            # bed's components in the step (2 cores: their sum bounds the step from below).
+            cpu_ms = {k: round((v - cpu0.get(k, 0.0)) / added * 1000, 1)
+                      for k, v in _step_cpu(b).items()}  # fmt: skip
+            steps.append({"n": size, "added": added, "seconds": took,
+                          "per_resource_ms": took / added * 1000, "cpu_ms_per_resource": cpu_ms,
                           "writes_seconds": writes, "rss_mib": b.op.memory_mib()["VmRSS"]})
             print(f"P3 {size}: {size - done_before} more converged in {took:.1f} s "
                   f"({steps[-1]['per_resource_ms']:.0f} ms each; the bench's creates done at "
-                  f"{writes:.1f} s), RSS {steps[-1]['rss_mib']:.0f} MiB", flush=True)
+                  f"{writes:.1f} s), RSS {steps[-1]['rss_mib']:.0f} MiB, CPU ms per resource "
+                  f"{cpu_ms}", flush=True)
             done_before = size
-    settle = await _settle(b)
-    print(f"P3 settled {settle:.0f} s after converging", flush=True)
+    mark = audit_mark()
+    # At 10,000 KubeRay (one reconcile at a time) writes the new clusters' status for many
+    # minutes after the last step; the bed is at rest only once it is done.
+    settle = await _settle(b, cap=900 if resync_window else 1800)
+    settle_writes = _top(audited(mark))
+    print(f"P3 settled {settle:.0f} s after converging; writes meanwhile: {settle_writes}",
+          flush=True)  # fmt: skip
     rest_default = await _at_rest(b, rest)
     memory = b.op.memory_mib()
     print(f"P3 at rest: {rest_default}, memory {memory}", flush=True)
@@ -471,7 +498,7 @@ async def p3_scale(b: Bench, sizes: list[int], rest: float,
     restart_s = time.perf_counter() - start
     print(f"P3 restarted: {n} resources reconciled in {restart_s:.1f} s", flush=True)
     out: dict[str, Any] = {
-        "steps": steps, "settle_seconds": settle,
+        "steps": steps, "settle_seconds": settle, "settle_writes_by_user": settle_writes,
         "rss_mib": memory["VmRSS"], "peak_rss_mib": memory["VmHWM"],
         "idle_cpu_pct": rest_default["cpu_pct"], "api_rps": rest_default["api_rps"],
         "at_rest": rest_default, "restart_seconds": restart_s,

@@ -46,9 +46,11 @@ class Profile:
     kubelet_client: bool  # the API server talks to kubelets (logs, exec)
 
 
-#: Write requests only, at Metadata level (who, what, the User-Agent, the answer's code), and
-#: not at the RequestReceived stage: the log shows which operator process wrote what, at a
-#: cost of one line per write. Node heartbeats (node leases, node status) are left out.
+#: Write requests, at Metadata level (who, what, the User-Agent, the answer's code), and not at
+#: the RequestReceived stage: the log shows which operator process wrote what, at a cost of one
+#: line per write. Node heartbeats (node leases, node status) are left out. Reads are logged
+#: only for the benchmark's operator (its ServiceAccounts' group; probes through the service
+#: proxy excepted), so a bench can name every request it makes at rest.
 AUDIT_POLICY = """\
 apiVersion: audit.k8s.io/v1
 kind: Policy
@@ -60,6 +62,11 @@ rules:
     resources: [{group: "", resources: [nodes, nodes/status]}]
   - level: Metadata
     verbs: [create, update, patch, delete, deletecollection]
+  - level: None
+    resources: [{group: "", resources: [services/proxy, pods/proxy]}]
+  - level: Metadata
+    userGroups: ["system:serviceaccounts:vllmdp-bench-system"]
+    verbs: [get, list, watch]
   - level: None
 """
 

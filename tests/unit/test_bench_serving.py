@@ -4,6 +4,7 @@ own parser."""
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -41,6 +42,8 @@ def test_requests_are_counted_per_flow_schema_of_the_operator_only() -> None:
         'priority_level="workload-high"} 1e+03',
         'apiserver_flowcontrol_dispatched_requests_total{flow_schema="service-accounts",'
         'priority_level="workload-low"} 99',
+        f'apiserver_flowcontrol_dispatched_requests_total{{flow_schema="{fs}-lease-reads",'
+        'priority_level="workload-high"} 3',
         f'apiserver_flowcontrol_dispatched_requests_total{{flow_schema="{fs}-leasesx",'
         'priority_level="workload-high"} 7',
         'apiserver_request_total{code="200",component="apiserver",resource="services",'
@@ -51,8 +54,9 @@ def test_requests_are_counted_per_flow_schema_of_the_operator_only() -> None:
         'scope="resource",subresource="",verb="GET",version="v1"} 99',
     ])  # fmt: skip
     assert benchlib.operator_requests_by_kind(text) == {
-        "other": 5.0, "leases": 1000.0, "status": 2.0, "writes": 0.0}
-    assert benchlib.operator_requests(text) == 1007.0
+        "other": 5.0, "leases": 1000.0, "lease-reads": 3.0, "status": 2.0, "writes": 0.0}
+    assert benchlib.operator_requests(text) == 1010.0
+    assert benchlib.operator_requests(text, benchlib.LEASES) == 1003.0
     assert benchlib.proxy_requests(text) == 42.0
 
 
@@ -94,3 +98,34 @@ def test_an_engines_level_shifts_after_its_regime_time_and_is_counted() -> None:
     assert eng.until > first + 1000
     assert len(fleet.shifts) >= 1 and all(t <= first + 1000 for t in fleet.shifts)
     assert fleet.engine("10.244.0.7", 0.0) is eng  # one engine per address
+
+
+def test_the_audit_window_counts_each_request_once_by_user_verb_and_resource(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    log = tmp_path / "audit.log"
+
+    def line(user: str, verb: str, resource: str, stage: str = "ResponseComplete",
+             sub: str = "") -> str:  # fmt: skip
+        ref = {"resource": resource, **({"subresource": sub} if sub else {})}
+        return json.dumps({"user": {"username": user}, "verb": verb, "stage": stage,
+                           "objectRef": ref}) + "\n"  # fmt: skip
+
+    op = "system:serviceaccount:vllmdp-bench-system:bench-op"
+    log.write_text(line(op, "update", "leases"))  # before the window
+    mark = benchlib.audit_mark(log)
+    with log.open("a") as f:
+        f.write(line(op, "update", "leases"))
+        f.write(line("kuberay-operator", "update", "rayclusters", sub="status"))
+        f.write(line(op, "watch", "customresourcedefinitions", stage="ResponseStarted"))
+        f.write(line(op, "watch", "customresourcedefinitions"))  # the same watch, ending
+        f.write(line(op, "list", "workloads"))
+    assert benchlib.audited(mark, log) == {
+        "vllmdp-bench-system:bench-op update leases": 1,
+        "kuberay-operator update rayclusters/status": 1,
+        "vllmdp-bench-system:bench-op watch customresourcedefinitions": 1,
+        "vllmdp-bench-system:bench-op list workloads": 1,
+    }
+    log.write_text(line(op, "update", "leases"))  # rotated: shorter than the mark
+    assert benchlib.audited(mark + 10_000, log) == {
+        "audit log rotated": 1, "vllmdp-bench-system:bench-op update leases": 1}
