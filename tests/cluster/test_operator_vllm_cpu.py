@@ -20,8 +20,10 @@ the operator's /health probe, its stop-and-confirm and KubeRay's submission and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shlex
 import statistics
 import sys
 import threading
@@ -36,7 +38,16 @@ import yaml
 from . import bed, timeline
 from .bed import REPO, RunningCluster
 from .traffic import Traffic
-from .vdp import API_PORT, Vdp, http, http_status, import_engine, own_namespace
+from .vdp import (
+    API_PORT,
+    OPERATOR_LABEL,
+    OPERATOR_NS,
+    Vdp,
+    http,
+    http_status,
+    import_engine,
+    own_namespace,
+)
 
 # isort: split
 # tests/testbed is on sys.path once .vdp is imported.
@@ -109,7 +120,12 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
                 note("floor, a Ray job that runs `true` with the head job's runtime env, "
                      "submitted straight to the dashboard: submitted → ended "
                      f"{[round(x) for x in FLOORS]} ms (median {statistics.median(FLOORS):.0f})")
-            note(json.dumps(timeline.summary(LAUNCHES)))
+            if BY_HAND:
+                note("each step's floor, by hand in the same image and pods, beside the "
+                     "launches' (test_p5_floor_of_each_step_by_hand):\n"
+                     + timeline.floors_table(LAUNCHES, BY_HAND))  # fmt: skip
+            note(json.dumps({**timeline.summary(LAUNCHES),
+                             "p5_floor_by_hand_ms": {k: round(v) for k, v in BY_HAND.items()}}))
 
 
 #: The EndpointSlice watch, the apply time, and each launch's timeline, for the p5 figures.
@@ -118,6 +134,8 @@ APPLIED: list[float] = []
 LAUNCHES: list[timeline.Launch] = []
 #: The floor of a Ray job's start in these pods, ms (test_p5_floor_of_a_ray_jobs_start).
 FLOORS: list[float] = []
+#: Each step's floor by hand, ms, by timeline step (test_p5_floor_of_each_step_by_hand).
+BY_HAND: dict[str, float] = {}
 
 
 def launch_of(v: Vdp, label: str, applied: float, joined: bool,
@@ -546,6 +564,124 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     models = http(f"{url}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 192, models
     assert completion(url, http)["object"] == "text_completion"
+
+
+#: Run in the head pod by the floor's Ray job: say when, then exec the launcher's exact
+#: `vllm serve` command with its environment (what `--dry-run` prints).
+_EXEC_BY_HAND = ("import json,os,sys,time;cmd=json.loads(sys.argv[1]);"
+                 "env={**os.environ,**json.loads(sys.argv[2])};"
+                 "print('floor-exec-at',repr(time.time()),flush=True);"
+                 "os.execvpe(cmd[0],cmd,env)")  # fmt: skip
+
+
+def bare_pod(head: dict[str, Any], name: str) -> dict[str, Any]:
+    """A pod of the engine image on the head's node, with no KubeRay, no Ray and no request
+    (the node's CPUs are the head's), restricted as the Ray pods are."""
+    c0 = head["spec"]["containers"][0]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": head["metadata"]["namespace"]},
+            "spec": {"nodeName": head["spec"]["nodeName"], "restartPolicy": "Never",
+                     "automountServiceAccountToken": False,
+                     "securityContext": head["spec"]["securityContext"],
+                     "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "bare", "image": c0["image"],
+                                     "imagePullPolicy": "Never", "command": ["sleep", "3600"],
+                                     "env": [{"name": "RAY_AUTH_MODE", "value": "disabled"}],
+                                     "securityContext": c0["securityContext"]}]}}  # fmt: skip
+
+
+def test_p5_floor_of_each_step_by_hand(vdp: Vdp) -> None:
+    """Issue 22's per-step floors, measured directly in the same image and pods, with the
+    operator scaled to 0 and the serving Ray job stopped (so nothing shares the CPUs):
+    - apply → pods running: a bare pod of the image on the head's node, created → running;
+    - → Ray joined: `ray start --head` by hand in that pod, exec → returned (node registered);
+    - → first healthy: the launcher's exact `vllm serve` command and environment (its
+      --dry-run in the head pod), run by hand in the head pod as a Ray job, exec → the first
+      200 on /health (polled from the host every 0.1 s).
+    The operator comes back at the end; the resource is deleted by the next test."""
+    cluster, ns = vdp.cluster, vdp.ns
+    st = vdp.wait_phase("Serving", 600)
+    job = vdp.rayjob(st["headJob"])
+    assert job is not None
+    sid, env = job["status"]["jobId"], json.loads(job["spec"]["runtimeEnvYAML"])
+    head = vdp.pods()["head"]
+    head_name, head_ip = head["metadata"]["name"], head["status"]["podIP"]
+    plan_b64 = job["spec"]["entrypoint"].split("--plan-b64", 1)[1].split()[0]
+    dry = json.loads(cluster.exec(ns, head_name, "python", "-m", "vllm_dp_launcher",
+                                  "--plan-b64", plan_b64, "--dry-run", "--node-ip",
+                                  head_ip).stdout)  # fmt: skip
+    assert dry["command"][:2] == ["vllm", "serve"], dry["command"]
+    [deploy] = cluster.kubectl("get", "deploy", "-n", OPERATOR_NS, "-l", OPERATOR_LABEL,
+                               "-o", "name").stdout.split()  # fmt: skip
+    replicas = int(cluster.kubectl_json("get", deploy, "-n", OPERATOR_NS)["spec"]["replicas"])
+    jobs = vdp.dashboard_url("/api/jobs/")
+    health = f"http://{head_ip}:{API_PORT}/health"
+    by_hand = f"floor-vllm-{int(time.time())}"
+    bare = "floor-bare"
+    cluster.kubectl("scale", deploy, "-n", OPERATOR_NS, "--replicas=0")
+    try:
+        vdp.wait("no operator pod", lambda: not cluster.kubectl(
+            "get", "pods", "-n", OPERATOR_NS, "-l", OPERATOR_LABEL, "-o", "name").stdout.strip(),
+            120)  # fmt: skip
+        http(f"{jobs}{sid}/stop", {}, timeout=30, headers=vdp.ray_headers())
+        vdp.wait("the serving Ray job stopped", lambda: vdp.dashboard_jobs()[sid]["status"] in (
+            "STOPPED", "FAILED", "SUCCEEDED"), 120)  # fmt: skip
+        vdp.wait("the engines gone", lambda: http_status_or_none(health) is None, 120)
+        vdp.wait("Ray's placement groups released", lambda: not [
+            pg for pg in http(vdp.dashboard_url("/api/v0/placement_groups?detail=1&limit=100"),
+                              timeout=10, headers=vdp.ray_headers())["data"]["result"]["result"]
+            if pg.get("state") != "REMOVED"], 120)  # fmt: skip
+
+        # apply → pods running: a bare pod of the same image on the same node.
+        cluster.apply(bare_pod(head, bare))
+
+        def running() -> dict[str, Any] | None:
+            pod: dict[str, Any] = cluster.kubectl_json("get", "pod", bare, "-n", ns)
+            return pod if (pod.get("status") or {}).get("phase") == "Running" else None
+
+        pod = vdp.wait("the bare pod running", running, 120)
+        BY_HAND["pods running"] = (timeline.started_at([pod]) - timeline.created_at(pod)) * 1000
+        # → Ray joined: a Ray head started by hand in it (`ray start` returns once its node is
+        # registered with its GCS).
+        timed = cluster.exec(ns, bare, "python3", "-c", (
+            "import subprocess,time;t=time.time();subprocess.run(['ray','start','--head',"
+            "'--port=6390','--num-cpus=1','--num-gpus=0','--disable-usage-stats',"
+            "'--include-dashboard=false'],check=True,capture_output=True);"
+            "print(time.time()-t)"))  # fmt: skip
+        BY_HAND["Ray joined"] = float(timed.stdout.split()[-1]) * 1000
+
+        # → first healthy: the launcher's vllm serve, by hand in the head pod.
+        entry = shlex.join(["python", "-c", _EXEC_BY_HAND, json.dumps(dry["command"]),
+                            json.dumps(dry["env"])])  # fmt: skip
+        http(jobs, {"entrypoint": entry, "submission_id": by_hand, "runtime_env": env},
+             timeout=30, headers=vdp.ray_headers())  # fmt: skip
+        vdp.wait("vLLM by hand answering /health", lambda: http_status_or_none(health) == 200,
+                 600, interval=0.1)  # fmt: skip
+        healthy = time.time()
+        logs = vdp.job_logs(by_hand)
+        said = re.search(r"floor-exec-at (\d+\.\d+)", logs)
+        assert said, logs[-3000:]
+        BY_HAND["first healthy"] = (healthy - float(said[1])) * 1000
+        assert completion(f"http://{head_ip}:{API_PORT}", http)["object"] == "text_completion"
+        note(f"floors by hand: {BY_HAND}")
+    finally:
+        try:
+            with contextlib.suppress(OSError):
+                if by_hand in vdp.dashboard_jobs():
+                    http(f"{jobs}{by_hand}/stop", {}, timeout=30, headers=vdp.ray_headers())
+            cluster.kubectl("delete", "pod", bare, "-n", ns, "--ignore-not-found",
+                            "--wait=true", check=False, timeout=120)  # fmt: skip
+        finally:
+            cluster.kubectl("scale", deploy, "-n", OPERATOR_NS, f"--replicas={replicas}")
+    assert set(BY_HAND) == {"pods running", "Ray joined", "first healthy"}
+
+
+def http_status_or_none(url: str) -> int | None:
+    """The status of a GET from the host, or None when nothing answers."""
+    try:
+        return http_status(url)
+    except (OSError, TimeoutError):
+        return None
 
 
 def test_delete_removes_everything(vdp: Vdp) -> None:

@@ -197,6 +197,25 @@ STEPS_HEADER = ("| launch | join → pods Ready (s) | → head job created (s) |
                 "| → launcher connecting | → preflight | → exec |\n|---|---|---|---|---|---|---|")
 
 
+#: The steps a floor is measured by hand for (test_p5_floor_of_each_step_by_hand), with the
+#: span of a launch each one bounds from below.
+FLOOR_STEPS = (("pods running", "apply → pods running", "applied", "pods_running"),
+               ("Ray joined", "pods running → Ray joined", "pods_running", "joined"),
+               ("first healthy", "exec → first healthy", "exec_", "healthy"))  # fmt: skip
+
+
+def floors_table(launches: list[Launch], by_hand: dict[str, float]) -> str:
+    """Per step: the launches' times (ms) and the floor measured by hand beside them."""
+    rows = ["| step | launches (ms) | floor by hand (ms) |", "|---|---|---|"]
+    for key, label, start, end in FLOOR_STEPS:
+        spans = [(b - a) * 1000 for la in launches
+                 if (a := getattr(la, start)) is not None and (b := getattr(la, end)) is not None]
+        floor = by_hand.get(key)
+        rows.append(f"| {label} | {', '.join(f'{x:.0f}' for x in spans) or '-'} | "
+                    f"{'-' if floor is None else f'{floor:.0f}'} |")
+    return "\n".join(rows)
+
+
 def summary(launches: list[Launch]) -> dict[str, Any]:
     """The p5 keys: medians over the launches that had each step."""
     joins = [x for la in launches if (x := la.join_to_exec_ms) is not None]
