@@ -315,8 +315,11 @@ class Convergence:
     and rescans it per event, which is quadratic at 10,000.)
     """
 
-    def __init__(self, raw: client.ApiClient, namespace: str) -> None:
-        self.raw, self.namespace = raw, namespace
+    def __init__(self, raw: client.ApiClient, namespaces: list[str]) -> None:
+        # One namespace: watched alone. Several: watched across the cluster, and an object of
+        # another namespace ignored (names are unique across them).
+        self.raw, self.namespaces = raw, set(namespaces)
+        self.scope = namespaces[0] if len(namespaces) == 1 else None
         self.first: dict[str, dict[str, float]] = {"phase": {}, "cluster": {}, "service": {}}
         self._new = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -336,7 +339,7 @@ class Convergence:
         accept = "application/json" if what == "phase" else _META_ONLY
         while True:
             resp = await self.raw.call_api(
-                kind.collection(self.namespace), "GET",
+                kind.collection(self.scope), "GET",
                 query_params=[("watch", "true"), ("resourceVersion", rv),
                               ("allowWatchBookmarks", "true"), ("timeoutSeconds", "600")],
                 header_params={"Accept": accept}, auth_settings=["BearerToken"],
@@ -350,6 +353,8 @@ class Convergence:
                     if event.get("type") == "ERROR":
                         rv = "0"  # a 410: start over; what was seen already keeps its moment
                     if event.get("type") not in ("ADDED", "MODIFIED"):
+                        continue
+                    if meta.get("namespace") not in self.namespaces:
                         continue
                     name = (meta["name"] if what == "phase"
                             else (meta.get("labels") or {}).get(c.LABEL_INSTANCE))
@@ -436,13 +441,14 @@ async def _at_rest(b: Bench, seconds: float) -> dict[str, float]:
             "reconciles": rec1 - rec0, "seconds": seconds}
 
 
-async def p3_scale(b: Bench, sizes: list[int], rest: float,
-                   resync_window: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Steps of suspended resources in one namespace; at rest; a restart.
+async def p3_scale(b: Bench, sizes: list[int], rest: float, resync_window: bool = True,
+                   namespaces: int = 1, converge_only: bool = False) -> dict[str, Any]:
+    """Steps of suspended resources in one namespace (or `namespaces`, dealt round-robin); at
+    rest; a restart.
 
     `resync_window`: after the restart, price one resync reconcile with 60 s of a 60 s resync
     (at 10,000 that window is a reconcile storm of its own: P3 10k skips it and reports the
-    restart's own figures instead).
+    restart's own figures instead). `converge_only`: the steps alone (P3 steps).
     """
     if not resync_window:
         # At 10,000 the default 600 s resync (about 17 reconciles a second) begins before the
@@ -450,15 +456,19 @@ async def p3_scale(b: Bench, sizes: list[int], rest: float,
         # P3's `cpu_ms_per_resync_reconcile`. Here the safety net is pushed past the run.
         b.op.stop()
         b.op.start(**{**b.op.overrides, **P3_10K_SETTINGS})
-    ns = b.namespace("p3")
+    nss = [b.namespace("p3")] if namespaces == 1 else [
+        b.namespace(f"p3n{j}") for j in range(namespaces)]
     steps = []
-    async with Convergence(b.raw, ns) as conv:
+    async with Convergence(b.raw, nss) as conv:
         done_before = 0
         for size in sizes:
             names = {f"s{i}" for i in range(size)}
             cpu0 = _step_cpu(b)
             start = time.perf_counter()
-            await writers(size - done_before, lambda i, d=done_before: b.owner(ns, f"s{d + i}"))
+            def create(i: int, d: int = done_before) -> Awaitable[None]:
+                return b.owner(nss[(d + i) % len(nss)], f"s{d + i}")
+
+            await writers(size - done_before, create)
             writes = time.perf_counter() - start
             await conv.wait(f"{size} resources converged", names, 3600)
             took = time.perf_counter() - start
@@ -475,6 +485,9 @@ async def p3_scale(b: Bench, sizes: list[int], rest: float,
                   f"{writes:.1f} s), RSS {steps[-1]['rss_mib']:.0f} MiB, CPU ms per resource "
                   f"{cpu_ms}", flush=True)
             done_before = size
+    if converge_only:
+        _drop_all(b, nss, wait=not b.tb.started_here)
+        return {"steps": steps, "namespaces": len(nss)}
     mark = audit_mark()
     # At 10,000 KubeRay (one reconcile at a time) writes the new clusters' status for many
     # minutes after the last step; the bed is at rest only once it is done.
@@ -526,10 +539,18 @@ async def p3_scale(b: Bench, sizes: list[int], rest: float,
     # run started goes down with it, so nothing waits for that.
     if b.tb.started_here and not resync_window:
         b.op.stop()
-        b.tb.kubectl("delete", "namespace", ns, "--wait=false")
-    else:
-        b.drop(ns)
+    _drop_all(b, nss, wait=not (b.tb.started_here and not resync_window))
     return out
+
+
+def _drop_all(b: Bench, namespaces: list[str], wait: bool) -> None:
+    """Delete P3's namespaces; waited for unless the bed goes down with the run anyway (at
+    10,000 the garbage collector takes many minutes over them)."""
+    if wait:
+        for ns in namespaces:
+            b.drop(ns)
+    else:
+        b.tb.kubectl("delete", "namespace", *namespaces, "--wait=false")
 
 
 def markdown(s: dict[str, Any]) -> str:
@@ -557,6 +578,13 @@ def markdown(s: dict[str, Any]) -> str:
                  f"| P3 idle CPU, 60 s | {p3['idle_cpu_pct']:.2f} % "
                  f"({p3['idle_cpu_pct_with_default_resync']:.2f} % with resync) | | | <= 1 % |",
                  f"| P3 API requests at rest | {p3['api_rps']:.3f} /s | | | <= 1 /s |"]
+    if p3s := s.get("p3_steps"):
+        for st in p3s["steps"]:
+            cpu = st["cpu_ms_per_resource"]
+            rows.append(f"| P3 steps, {p3s['namespaces']} namespace(s), converge to "
+                        f"N={st['n']:,} (+{st['added']:,}) | {st['seconds']:.0f} s "
+                        f"({st['per_resource_ms']:.0f} ms each; CPU ms each: {cpu}) | | | "
+                        "linear |")
     if p3k:
         for st in p3k["steps"]:
             rows.append(f"| P3 10k converge to N={st['n']:,} (+{st['added']:,}) | "
@@ -598,6 +626,10 @@ async def run(args: argparse.Namespace, tb: Testbed, op: BenchOperator) -> dict[
             out["p4"] = await p4_relaunch(b, args.rounds)
         if "p3" in only:
             out["p3"] = await p3_scale(b, [int(x) for x in args.sizes.split(",")], args.rest)
+        if "p3_steps" in only:
+            out["p3_steps"] = await p3_scale(b, [int(x) for x in args.sizes_steps.split(",")],
+                                             args.rest, namespaces=args.p3_namespaces,
+                                             converge_only=True)  # fmt: skip
         if "p3_10k" in only:
             out["p3_10k"] = await p3_scale(b, [int(x) for x in args.sizes_10k.split(",")],
                                            args.rest, resync_window=False)  # fmt: skip
@@ -612,9 +644,13 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=200, help="P1b burst size")
     parser.add_argument("--sizes", default="250,500,1000", help="P3 steps")
     parser.add_argument("--sizes-10k", default="2500,5000,10000", help="P3 10k steps")
+    parser.add_argument("--sizes-steps", default="1000,2000,4000", help="P3 steps' steps")
+    parser.add_argument("--p3-namespaces", type=int, default=1,
+                        help="P3 steps: namespaces the resources are dealt over")
     parser.add_argument("--rest", type=float, default=60, help="P3 seconds at rest")
     parser.add_argument("--only", default="p1,p1b,p2,p3,p4",
-                        help="parts to run; p3_10k (about 40 minutes) only when named")
+                        help="parts to run; p3_10k (about 40 minutes) and p3_steps (converging "
+                        "alone, in --p3-namespaces) only when named")
     parser.add_argument("--name", default="controlplane", help="bench/results/<name>.json")
     args = parser.parse_args()
     tb = Testbed()
@@ -644,6 +680,10 @@ def main() -> None:
             summary["p3"]["idle_cpu_pct_with_default_resync"], 3)
         steps = summary["p3"]["steps"]
         line["p3_converge_s"] = {str(st["n"]): round(st["seconds"], 1) for st in steps}
+    if "p3_steps" in summary:
+        line["p3_steps_namespaces"] = summary["p3_steps"]["namespaces"]
+        line["p3_steps_per_resource_ms"] = {str(st["n"]): round(st["per_resource_ms"], 1)
+                                            for st in summary["p3_steps"]["steps"]}  # fmt: skip
     if "p3_10k" in summary:
         p3k = summary["p3_10k"]
         line["p3_10k_rss_mib"] = round(max(p3k["rss_mib"], p3k["after_restart"]["rss_mib"]), 1)
