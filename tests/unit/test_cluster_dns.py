@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from local_http import serving
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.engines.transport import ServiceDnsTransport
 
@@ -31,13 +32,8 @@ async def server() -> AsyncIterator[dict[str, Any]]:
 
     app = web.Application()
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    seen["port"] = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield seen
-    await runner.cleanup()
+    async with serving(app) as seen["port"]:
+        yield seen
 
 
 @pytest.mark.parametrize(("domain", "fqdn"), [

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from local_http import serving
 from vllm_dp_operator.controller.fence import fence_trace
 from vllm_dp_operator.controller.gate import GatedApi
 from vllm_dp_operator.controller.kube import SERVICE
@@ -52,14 +53,9 @@ async def server() -> AsyncIterator[tuple[Server, str]]:
     app = web.Application()
     app.router.add_get("/slow", srv.slow)
     app.router.add_post("/things", srv.post)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield srv, f"http://127.0.0.1:{port}"
-    srv.release.set()
-    await runner.cleanup()
+    async with serving(app) as port:
+        yield srv, f"http://127.0.0.1:{port}"
+        srv.release.set()
 
 
 class HttpApi:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 from kubernetes_asyncio import client
+from local_http import serving
 from vllm_dp_operator.controller.kube import resession
 
 
@@ -24,25 +25,17 @@ class Hits:
         return web.json_response({"kind": "Status", "apiVersion": "v1", "code": 200})
 
 
-async def _serve(hits: Hits) -> tuple[web.AppRunner, str]:
+def _app(hits: Hits) -> web.Application:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", hits.any)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return app
 
 
 @pytest.fixture
 async def beds() -> AsyncIterator[tuple[Hits, str, Hits, str]]:
     api, proxy = Hits(), Hits()
-    api_runner, api_url = await _serve(api)
-    proxy_runner, proxy_url = await _serve(proxy)
-    yield api, api_url, proxy, proxy_url
-    await api_runner.cleanup()
-    await proxy_runner.cleanup()
+    async with serving(_app(api)) as api_port, serving(_app(proxy)) as proxy_port:
+        yield api, f"http://127.0.0.1:{api_port}", proxy, f"http://127.0.0.1:{proxy_port}"
 
 
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from kubernetes_asyncio import client
+from local_http import serving
 from vllm_dp_operator.controller import kube
 from vllm_dp_operator.controller.kube import CRD, SERVICE, ApiKube
 
@@ -43,16 +44,11 @@ async def served() -> AsyncIterator[tuple[WatchServer, ApiKube]]:
     server = WatchServer()
     app = web.Application()
     app.router.add_get("/{tail:.*}", server.watch)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    api = ApiKube(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
-    yield server, api
-    server.end.set()
-    await api.close()
-    await runner.cleanup()
+    async with serving(app) as port:
+        api = ApiKube(client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}")))
+        yield server, api
+        server.end.set()
+        await api.close()
 
 
 async def test_a_quiet_watch_waits_out_its_own_timeout_with_keepalive_on(

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 from kubernetes_asyncio import client
+from local_http import serving
 from test_lease import FakeLeases
 from vllm_dp_operator.controller.lease import ApiLeases, ElectionConfig, LeaderElector
 from vllm_dp_operator.controller.lease_thread import ElectionThread
@@ -177,15 +178,10 @@ class LeaseServer:
         app = web.Application()
         app.router.add_route("*", self.PATH, self._handle)
         app.router.add_route("*", self.PATH + "/vdp", self._handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        self._up.set()
-        await self._stop.wait()
-        await runner.cleanup()
+        async with serving(app) as self.port:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            self._up.set()
+            await self._stop.wait()
 
     def __enter__(self) -> LeaseServer:
         self._thread.start()
