@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from local_http import serving
-from vllm_dp_operator.controller.fence import fence_trace
+from vllm_dp_operator.controller.fence import fence_trace, fenced_session
 from vllm_dp_operator.controller.gate import GatedApi
 from vllm_dp_operator.controller.kube import SERVICE
 from vllm_dp_operator.controller.lease import NotLeading
@@ -110,4 +110,49 @@ async def test_reads_and_writes_with_an_open_gate_pass_the_fence(
         srv.release.set()
         async with s.get(f"{base}/slow") as resp:  # not a gated write: never checked
             assert resp.status == 200
+    assert srv.posts == 1
+
+
+class ClosesAfter(Gate):
+    """Open for the first `checks` checks, closed from then on: what a leader frozen between
+    two of a write's checks finds when it wakes."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.left = checks
+        self.checks = 0
+
+    def check(self) -> None:
+        self.checks += 1
+        self.open = self.left > 0
+        self.left -= 1
+        super().check()
+
+
+async def test_a_write_frozen_after_its_connection_check_sends_no_byte(
+    server: tuple[Server, str],
+) -> None:
+    # The call's check and the connection's pass; the leader freezes before the body task runs
+    # (a loop turn later) and wakes without the Lease: the body write's check refuses it.
+    srv, base = server
+    async with fenced_session() as s:
+        gate = ClosesAfter(2)
+        with pytest.raises(NotLeading):
+            await GatedApi(HttpApi(s, base), gate).create(SERVICE, "ns", {"metadata": {}})
+        assert gate.checks == 3
+        # The session goes on serving: a later write with the gate open goes out.
+        assert await GatedApi(HttpApi(s, base), Gate()).create(SERVICE, "ns", {}) == {
+            "created": True}
+    assert srv.posts == 1, "the refused write reached the server"
+
+
+async def test_without_the_body_check_that_write_went_out() -> None:
+    # The gap the body check closes, shown on a session with the connection hooks alone.
+    srv = Server()
+    app = web.Application()
+    app.router.add_post("/things", srv.post)
+    async with serving(app) as port, aiohttp.ClientSession(trace_configs=[fence_trace()]) as s:
+        gate = ClosesAfter(2)
+        await GatedApi(HttpApi(s, f"http://127.0.0.1:{port}"), gate).create(SERVICE, "ns", {})
+        assert gate.checks == 2
     assert srv.posts == 1

@@ -17,7 +17,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from yarl import URL
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.controller.fence import fence_trace
+from vllm_dp_operator.controller.fence import fenced_session
 
 
 @dataclass(frozen=True)
@@ -110,17 +110,15 @@ class Kube(Protocol):
         ...
 
 
-def resession(
-    api: client.ApiClient, trace_configs: list[aiohttp.TraceConfig] | None = None
-) -> None:
+def resession(api: client.ApiClient, fenced: bool = False) -> None:
     """Move the REST client's connections to a session of the operator's own.
 
     The client's session trusts the environment, and aiohttp then looks up the proxy
     variables and ~/.netrc on every request, in a thread of the default executor: two thread
     hops per API call, about half a millisecond of CPU each time. The proxy for the API
     server is decided here once instead, the way aiohttp would (`HTTPS_PROXY`, `NO_PROXY`),
-    unless the kubeconfig names one (`proxy-url`). A session's trace hooks are fixed when it
-    is made, so they are given here too.
+    unless the kubeconfig names one (`proxy-url`). A session's trace hooks and request class
+    are fixed when it is made: `fenced` makes it one for gated writes (`fence.py`).
     """
     rest = api.rest_client
     if not rest.proxy:
@@ -130,10 +128,10 @@ def resession(
                 proxy = proxy.with_user(auth.login).with_password(auth.password)
             rest.proxy = str(proxy)
     old = rest.pool_manager
-    rest.pool_manager = aiohttp.ClientSession(
-        connector=old.connector, trust_env=False, read_bufsize=2**21,
-        trace_configs=trace_configs,
-    )  # fmt: skip
+    settings: dict[str, Any] = {"connector": old.connector, "trust_env": False,
+                                "read_bufsize": 2**21}  # fmt: skip
+    rest.pool_manager = fenced_session(**settings) if fenced else aiohttp.ClientSession(
+        **settings)
     old.detach()
 
 
@@ -179,7 +177,7 @@ class ApiKube:
         if user_agent:
             api.user_agent = user_agent
         # The write fence (fence.py) rides on the session's trace hooks.
-        resession(api, [fence_trace()])
+        resession(api, fenced=True)
         return cls(api)
 
     @property

@@ -21,7 +21,7 @@ from kubernetes_asyncio import client
 
 from vllm_dp_operator.api import names
 from vllm_dp_operator.constants import DEFAULT_CLUSTER_DOMAIN
-from vllm_dp_operator.controller.fence import fence_trace
+from vllm_dp_operator.controller.fence import fenced_session
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,7 @@ class ServiceDnsTransport:
             connector = aiohttp.TCPConnector(resolver=self._resolver,
                                              keepalive_timeout=self._keepalive)
             # The Ray job stop is a gated write; the fence checks it at the connection.
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector,
-                                                  trace_configs=[fence_trace()])  # fmt: skip
+            self._session = fenced_session(timeout=self._timeout, connector=connector)
         try:
             async with self._session.request(method, url, headers=headers, json=json_body) as resp:
                 body, cut = await _read(resp, limit)
