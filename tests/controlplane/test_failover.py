@@ -3,10 +3,11 @@
 Both processes run as shipped (leader election on, the chart's 15 s / 10 s / 2 s timings) and
 share one Lease; a killed one is started again at once, as the kubelet restarts a container,
 and becomes the standby. The resources are suspended, so what converges is the operator's own
-work (status, RayCluster, Service), not kwok making pods. What each test reads, it reads from
-the API server: its own watch of the resources (status never going backwards), the children
-and Events it lists at the end, and the API server's audit log (the bed writes one for write
-requests, with each request's User-Agent, which names the operator process).
+work (status, RayCluster, NetworkPolicy; a suspended resource has no Service), not kwok making
+pods. What each test reads, it reads from the API server: its own watch of the resources
+(status never going backwards), the children and Events it lists at the end, and the API
+server's audit log (the bed writes one for write requests, with each request's User-Agent,
+which names the operator process).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kubernetes_asyncio import client, config
 from operator_proc import LEASE_NAMESPACE, OperatorProcess, install_crd
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.controller.events import EVENT
-from vllm_dp_operator.controller.kube import RAYCLUSTER, SERVICE, VDP, ApiKube
+from vllm_dp_operator.controller.kube import NETWORKPOLICY, RAYCLUSTER, VDP, ApiKube
 from vllm_dp_operator.controller.lease import LEASE
 from watchlog import WatchLog
 
@@ -123,13 +124,13 @@ async def _create(api: ApiKube, ns: str, names: list[str], created: list[str],
 
 
 class Converged:
-    """Which resources have a phase, a RayCluster and a Service, read off a watch log as it
-    grows (each event looked at once)."""
+    """Which resources have a phase, a RayCluster and a NetworkPolicy, read off a watch log as
+    it grows (each event looked at once)."""
 
     def __init__(self, log: WatchLog) -> None:
         self.log, self._seen = log, 0
         self.phased: set[str] = set()
-        self.children: dict[Any, set[str]] = {RAYCLUSTER: set(), SERVICE: set()}
+        self.children: dict[Any, set[str]] = {RAYCLUSTER: set(), NETWORKPOLICY: set()}
 
     def __call__(self, names: set[str]) -> bool:
         for s in self.log.seen[self._seen:]:
@@ -178,7 +179,7 @@ async def _duplicates(api: ApiKube, ns: str, log: WatchLog) -> dict[str, Any]:
         return labels.get(c.LABEL_INSTANCE) if labels.get(c.LABEL_MANAGED_BY) == c.MANAGER \
             else None  # fmt: skip
 
-    for kind in (RAYCLUSTER, SERVICE):
+    for kind in (RAYCLUSTER, NETWORKPOLICY):
         listed = Counter(ours(o) for o in await api.list(kind, ns, ""))
         added = Counter(ours(s.obj) for s in log.seen if s.kind == kind and s.type == "ADDED")
         counts = listed + added
@@ -198,7 +199,7 @@ async def _kill_in_bursts(testbed: Any, ns: str, pair: Replicas) -> list[float]:
     async with client.ApiClient() as raw:
         api = ApiKube(raw)
         holder = await _new_holder(api, pair.lease, "", 60)
-        async with WatchLog(api, ns, [VDP, RAYCLUSTER, SERVICE]) as log:
+        async with WatchLog(api, ns, [VDP, RAYCLUSTER, NETWORKPOLICY]) as log:
             converged = Converged(log)
             everyone: set[str] = set()
             for r in range(ROUNDS):
@@ -232,8 +233,8 @@ async def _kill_in_bursts(testbed: Any, ns: str, pair: Replicas) -> list[float]:
             await asyncio.sleep(3)  # late writes of anyone would show now
             dup = await _duplicates(api, ns, log)
             back = _status_went_backwards(log)
-    assert not dup["rayclusters"] and not dup["services"], dup
-    assert dup["rayclusters_count"] == dup["services_count"] == ROUNDS * BURST, dup
+    assert not dup["rayclusters"] and not dup["networkpolicies"], dup
+    assert dup["rayclusters_count"] == dup["networkpolicies_count"] == ROUNDS * BURST, dup
     assert not dup["events"], f"Events posted twice: {dup['events']}"
     assert dup["event_count"] > 0, "no Events at all: the check would prove nothing"
     assert not back, back
@@ -290,7 +291,7 @@ async def _freeze(testbed: Any, ns: str, pair: Replicas) -> tuple[str, str]:
         api = ApiKube(raw)
         old = await _new_holder(api, pair.lease, "", 60)
         frozen = pair.by_identity(old)
-        async with WatchLog(api, ns, [VDP, RAYCLUSTER, SERVICE]) as log:
+        async with WatchLog(api, ns, [VDP, RAYCLUSTER, NETWORKPOLICY]) as log:
             converged = Converged(log)
             first = [f"a{i}" for i in range(10)]
             await _create(api, ns, first, [])

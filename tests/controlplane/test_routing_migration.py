@@ -43,7 +43,9 @@ def test_a_selector_service_is_made_selector_less_and_its_slices_replaced(
     ns = testbed_namespace
     doc = yaml.safe_load((REPO / "examples" / "dp4-tp2.yaml").read_text())
     doc["metadata"].update(name=NAME, namespace=ns)
-    doc["spec"]["suspend"] = True  # no pods needed: this is about the Service
+    # No pods: this is about the Service. (Not suspended: a suspended resource has none.) Its
+    # pods ask for a GPU no node has, so they stay Pending and nothing is routed.
+    doc["spec"]["gpu"] = {"resourceName": "example.com/no-such-gpu"}
     testbed.apply(doc)
     uid = testbed.kubectl_json("-n", ns, "get", "vdp", NAME)["metadata"]["uid"]
     # What an earlier version made: the same Service, selecting the labelled head pod.
@@ -83,7 +85,7 @@ def test_a_selector_service_is_made_selector_less_and_its_slices_replaced(
         (eps,) = _slices(testbed, ns)
         assert eps["metadata"]["name"] == f"{NAME}-api"
         assert eps["metadata"]["ownerReferences"][0]["uid"] == uid
-        assert eps.get("endpoints") in (None, [])  # suspended: nothing to route to
+        assert eps.get("endpoints") in (None, [])  # pods Pending: nothing to route to
     finally:
         op.stop()
         chartlib.delete_operator_identity(testbed.kubectl, identity)

@@ -153,7 +153,7 @@ def test_stdin_with_several_documents_and_other_kinds(
         (d["kind"], d["metadata"]["labels"]["app.kubernetes.io/instance"])
         for d in yaml.safe_load_all(out)
     ]
-    # A suspended resource gets its (suspended) cluster and Service but no head job.
+    # A suspended resource gets its (suspended) cluster, and no Service, slice or head job.
     assert kinds == [
         ("NetworkPolicy", "one"),
         ("RayCluster", "one"),
@@ -162,8 +162,6 @@ def test_stdin_with_several_documents_and_other_kinds(
         ("RayJob", "one"),
         ("NetworkPolicy", "two"),
         ("RayCluster", "two"),
-        ("Service", "two"),
-        ("EndpointSlice", "two"),
     ]
     assert "skipped Secret default/hf" in err
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE
+from vllm_dp_operator.controller.kube import ENDPOINTSLICE, POD, RAYCLUSTER, RAYJOB, SERVICE
 from world import World, launched, serving, spec
 
 
@@ -158,6 +158,51 @@ async def test_suspend_stops_pods_and_head_job_then_resumes() -> None:
     await w.step()
     assert w.clusters()[0]["spec"]["suspend"] is False
     assert len(w.clusters()) == 1  # same cluster, resumed
+
+
+async def test_a_suspended_resource_holds_no_service_and_resuming_makes_it_again() -> None:
+    # A cluster IP per suspended resource would fill a small Service range, cost kube-proxy
+    # rules on every node, and each allocation's cost grows with the addresses in use.
+    w = World(spec(suspend=True))
+    await w.step()
+    assert w.clusters() and w.kube.named(SERVICE) == [] and w.kube.named(ENDPOINTSLICE) == []
+    assert w.status["phase"] == c.PHASE_SUSPENDED and w.status.get("endpoint") is None
+    w.update(spec())
+    await w.step()
+    assert [s["metadata"]["name"] for s in w.kube.named(SERVICE)] == ["demo-api"]
+    assert [s["metadata"]["name"] for s in w.kube.named(ENDPOINTSLICE)] == ["demo-api"]
+    assert w.status["endpoint"] == "http://demo-api.default.svc:8000/v1"
+
+
+async def test_suspending_a_serving_resource_unroutes_it_and_gives_its_service_back() -> None:
+    w = await launched()
+    w.run("demo-j00001")
+    w.probe.ok = True
+    await w.step()
+    assert w.status["phase"] == c.PHASE_SERVING and w.routed()
+    w.update(spec(suspend=True))
+    before = len(w.kube.writes)
+    await w.step()
+    deletes = [(verb, kind) for verb, kind, _ in w.kube.writes[before:] if verb == "delete"]
+    # The slice goes before the Service, and both before the head job.
+    assert deletes[:3] == [("delete", "endpointslices"), ("delete", "services"),
+                           ("delete", "rayjobs")], deletes  # fmt: skip
+    assert w.kube.named(SERVICE) == [] and w.kube.named(ENDPOINTSLICE) == []
+    assert w.status.get("endpoint") is None
+    await w.step()
+    assert not [v for v, _, _ in w.kube.writes[before:] if v == "create"]
+
+
+async def test_a_suspended_resource_leaves_a_service_it_does_not_own() -> None:
+    w = World(spec(suspend=True))
+    others = {"apiVersion": "v1", "kind": "Service",
+              "metadata": {"name": "demo-api", "namespace": "default", "ownerReferences": [
+                  {"uid": "uid-other", "controller": True, "kind": "VLLMDataParallel",
+                   "apiVersion": "vllmdp.io/v1alpha1", "name": "demo"}]},
+              "spec": {"type": "ClusterIP", "ports": []}}  # fmt: skip
+    w.kube.objects[(SERVICE, "default", "demo-api")] = others
+    await w.step()
+    assert w.kube.named(SERVICE) == [others]
 
 
 async def test_pending_pods_explained_in_status() -> None:

@@ -497,7 +497,8 @@ class VLLMDataParallelSpec(ApiModel):
     )
     suspend: JsonBool = Field(
         default=False,
-        description="Stop the engines and release the GPU pods, keeping the resource. In a "
+        description="Stop the engines and release the GPU pods, keeping the resource. The API "
+        "Service goes meanwhile, which frees its cluster IP; resuming makes it again. In a "
         "Kueue queue the RayCluster is deleted instead (Kueue owns its suspend), which frees "
         "its quota; resuming queues a new one.",
     )

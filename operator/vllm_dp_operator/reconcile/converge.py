@@ -19,6 +19,7 @@ from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import controller_uid
 from vllm_dp_operator.controller.kube import (
+    ENDPOINTSLICE,
     NETWORKPOLICY,
     POD,
     RAYCLUSTER,
@@ -114,6 +115,19 @@ async def _ensure_service(kube: Kube, desired: dict[str, Any], uid: str) -> None
         patch = {"metadata": {"annotations": meta.get("annotations") or {}},
                  "spec": {**want, "selector": None}}  # fmt: skip
         await kube.patch(SERVICE, meta["namespace"], meta["name"], patch)
+
+
+async def _withdraw_service(kube: Kube, res: Resource) -> None:
+    """A suspended resource holds no Service: its cluster IP goes back to the Service range
+    (a /20 has 4,096), kube-proxy drops its rules on every node, and the API server's
+    allocator, whose cost grows with the addresses in use, is not asked for one. The slice
+    goes first, so no request is routed while the Service goes. Only ours is deleted."""
+    for kind, name in ((ENDPOINTSLICE, names.endpoint_slice(res.name)),
+                       (SERVICE, names.service(res.name))):  # fmt: skip
+        current = await kube.get(kind, res.namespace, name)
+        if (current is not None and controller_uid(current) == res.uid
+                and not current["metadata"].get("deletionTimestamp")):
+            await kube.delete(kind, res.namespace, name)
 
 
 async def _ensure_network_policy(
@@ -274,11 +288,14 @@ async def reconcile(
     st.doc.update(
         layout=_layout(plan),
         rayCluster=cluster_name,
-        endpoint=names.endpoint(res.name, res.namespace, spec.service.port),
+        endpoint=None if spec.suspend else names.endpoint(res.name, ns, spec.service.port),
     )
     # The policy goes first: the Ray pods are never up without it.
     await _ensure_network_policy(kube, res, spec, cfg, owner)
-    await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
+    if spec.suspend:
+        await _withdraw_service(kube, res)
+    else:
+        await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
     if step.mode is Mode.HOLD:
         await surge.hold(kube, res, spec, owner, step.cluster, clusters, jobs, probes, cfg, st)
         return st.outcome()
@@ -309,8 +326,9 @@ async def reconcile(
                                  cfg, st)  # fmt: skip
         shadow = surge.Shadow()
     route = shadow.route if shadow is not None else router.route
-    if spec.suspend or cluster is None or held:
+    if (cluster is None or held) and not spec.suspend:
         # Unrouted before their head jobs are deleted: no new request meets a stopping engine.
+        # (A suspended resource's slice went with its Service, above.)
         await route(False)
 
     # Attempts count every head job seen, pruned or terminating ones too: names never repeat.

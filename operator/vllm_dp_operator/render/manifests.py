@@ -63,8 +63,8 @@ def render_resource(
     resource: Resource, options: RenderOptions, owner: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """NetworkPolicy (unless turned off), RayCluster, Service, its EndpointSlice (no endpoint
-    yet: the head pod's address is known only once it runs) and the first head job (none while
-    suspended), in creation order."""
+    yet: the head pod's address is known only once it runs) and the first head job, in
+    creation order. A suspended resource has no Service, slice or head job."""
     cluster = build_raycluster(
         resource.name, resource.namespace, resource.spec, resource.plan, options, owner
     )
@@ -73,12 +73,13 @@ def render_resource(
     if wanted(resource.spec, options.peers):
         out.append(build_network_policy(resource.name, resource.namespace, resource.spec,
                                         options.peers, owner))  # fmt: skip
-    out += [
-        cluster,
-        build_service(resource.name, resource.namespace, resource.spec, owner),
-        build_endpoint_slice(resource.name, resource.namespace, resource.spec, None, False, owner),
-    ]
+    out.append(cluster)
     if not resource.spec.suspend:
+        out += [
+            build_service(resource.name, resource.namespace, resource.spec, owner),
+            build_endpoint_slice(resource.name, resource.namespace, resource.spec, None, False,
+                                 owner),
+        ]
         out.append(
             build_head_job(
                 resource.name,
