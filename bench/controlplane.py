@@ -1,10 +1,12 @@
 """Control-plane benchmark: the operator against direct writes and KubeRay, same API server.
 
-P1   one resource at a time: from a VLLMDataParallel's create returning to its RayCluster and
-     Service seen on a watch, vs. the same two creates issued directly (from the first create's
-     start to both seen on the same watch).
+P1   one suspended resource at a time: from a VLLMDataParallel's create returning to its
+     NetworkPolicy and RayCluster seen on a watch (a suspended resource has no Service), vs.
+     the same two creates issued directly (from the first create's start to both seen on the
+     same watch).
 P1b  a burst of N (200): total time from the burst's start to every child seen, the owners
-     created by 8 writers, vs. the same N RayCluster + Service pairs created by 8 writers.
+     created by 8 writers, vs. the same N NetworkPolicy + RayCluster pairs created by 8
+     writers.
      The floor's creates are sent as the operator's ServiceAccount, so the API server's
      priority and fairness treats them as it treats the operator's. A third mode, for context,
      writes each owner and then its pair directly, with the operator stopped.
@@ -57,10 +59,19 @@ from kubernetes_asyncio import client, config
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api.validation import validate
 from vllm_dp_operator.config import Config, RenderOptions
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, SERVICE, VDP, ApiKube
+from vllm_dp_operator.controller.kube import (
+    NETWORKPOLICY,
+    POD,
+    RAYCLUSTER,
+    RAYJOB,
+    SERVICE,
+    VDP,
+    ApiKube,
+)
 from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.plan import build_plan
-from vllm_dp_operator.render import build_raycluster, build_service
+from vllm_dp_operator.render import build_raycluster
+from vllm_dp_operator.render.networkpolicy import build_network_policy
 from watchlog import Seen, WatchLog
 
 # Suspended: P1-P3 measure the operator and the API server, not kwok making pods.
@@ -111,15 +122,17 @@ class Bench:
 
     @staticmethod
     def render_pair(ns: str, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The RayCluster and Service the operator would make, rendered by its renderers."""
-        model = validate(name, SPEC)
-        cluster = build_raycluster(name, ns, model, build_plan(model), RenderOptions(), None)
-        return cluster, build_service(name, ns, model, None)
+        """The NetworkPolicy and RayCluster the operator would make for a suspended resource
+        (which has no Service), rendered by its renderers."""
+        model, opts = validate(name, SPEC), RenderOptions()
+        policy = build_network_policy(name, ns, model, opts.peers, None)
+        return policy, build_raycluster(name, ns, model, build_plan(model), opts, None)
 
     async def pair(self, ns: str, bodies: tuple[dict[str, Any], dict[str, Any]]) -> None:
-        """The floor: the operator's two creates, issued directly (rendered beforehand)."""
-        await self.as_operator.create(RAYCLUSTER, ns, bodies[0])
-        await self.as_operator.create(SERVICE, ns, bodies[1])
+        """The floor: the operator's two creates, issued directly (rendered beforehand), in
+        its order (the policy first)."""
+        await self.as_operator.create(NETWORKPOLICY, ns, bodies[0])
+        await self.as_operator.create(RAYCLUSTER, ns, bodies[1])
 
 
 def _instance(s: Seen) -> str | None:
@@ -135,11 +148,19 @@ def _added(log: WatchLog, kind: Any) -> dict[str, float]:
     return out
 
 
-def children_done(log: WatchLog, names: set[str]) -> dict[str, float] | None:
-    clusters, services = _added(log, RAYCLUSTER), _added(log, SERVICE)
-    if not names <= clusters.keys() or not names <= services.keys():
+#: The children a bench waits for: a running resource's RayCluster and Service; a suspended
+#: one has no Service, and its NetworkPolicy stands in (P1, P1b: `SPEC` is suspended).
+RUNNING_CHILDREN = (RAYCLUSTER, SERVICE)
+SUSPENDED_CHILDREN = (NETWORKPOLICY, RAYCLUSTER)
+
+
+def children_done(log: WatchLog, names: set[str],
+                  kinds: tuple[Any, ...] = RUNNING_CHILDREN) -> dict[str, float] | None:
+    """When each of `names` had every one of `kinds` (None until all have)."""
+    seen = [_added(log, kind) for kind in kinds]
+    if not all(names <= got.keys() for got in seen):
         return None
-    return {n: max(clusters[n], services[n]) for n in names}
+    return {n: max(got[n] for got in seen) for n in names}
 
 
 async def writers(count: int, make: Callable[[int], Awaitable[None]]) -> None:
@@ -158,7 +179,7 @@ async def p1_unloaded(b: Bench, rounds: int, items: int) -> dict[str, Any]:
     for r in range(rounds):
         ns = b.namespace("p1")
         lat: dict[str, list[float]] = {"operator": [], "floor": []}
-        async with WatchLog(b.api, ns, [RAYCLUSTER, SERVICE]) as log:
+        async with WatchLog(b.api, ns, list(SUSPENDED_CHILDREN)) as log:
             for i in range(items):
                 for mode in ("operator", "floor") if (i + r) % 2 == 0 else ("floor", "operator"):
                     name = f"{mode[0]}{i}"
@@ -169,9 +190,9 @@ async def p1_unloaded(b: Bench, rounds: int, items: int) -> dict[str, Any]:
                         bodies = b.render_pair(ns, name)
                         start = time.perf_counter()
                         await b.pair(ns, bodies)
-                    await log.wait_until(f"children of {name}",
-                                         lambda n=name: children_done(log, {n}) is not None, 30)
-                    done = children_done(log, {name})
+                    await log.wait_until(f"children of {name}", lambda n=name: children_done(
+                        log, {n}, SUSPENDED_CHILDREN) is not None, 30)  # fmt: skip
+                    done = children_done(log, {name}, SUSPENDED_CHILDREN)
                     assert done is not None
                     lat[mode].append(done[name] - start)
                     await asyncio.sleep(0.3)  # the operator's status write and event settle
@@ -190,7 +211,7 @@ async def _burst(b: Bench, mode: str, n: int) -> dict[str, float]:
     if mode == "owners+floor":
         b.op.stop()
     ns = b.namespace(f"p1b-{mode.replace('+', '-')}")
-    async with WatchLog(b.api, ns, [RAYCLUSTER, SERVICE]) as log:
+    async with WatchLog(b.api, ns, list(SUSPENDED_CHILDREN)) as log:
         names = {f"b{i}" for i in range(n)}
         pairs = [b.render_pair(ns, f"b{i}") for i in range(n)] if mode != "operator" else []
         cpu0 = b.op.cpu_seconds() if b.op.proc else 0.0
@@ -207,9 +228,9 @@ async def _burst(b: Bench, mode: str, n: int) -> dict[str, float]:
         else:
             await writers(n, owner_then_pair)
         writes_done = time.perf_counter() - start
-        await log.wait_until(f"all children ({mode})",
-                             lambda: children_done(log, names) is not None, 600)  # fmt: skip
-        done = children_done(log, names)
+        await log.wait_until(f"all children ({mode})", lambda: children_done(
+            log, names, SUSPENDED_CHILDREN) is not None, 600)  # fmt: skip
+        done = children_done(log, names, SUSPENDED_CHILDREN)
         assert done is not None
         cpu = b.op.cpu_seconds() - cpu0 if b.op.proc else 0.0
     b.drop(ns)
@@ -307,7 +328,8 @@ _META_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 
 
 class Convergence:
-    """When each P3 resource first had a phase, a RayCluster and a Service.
+    """When each P3 resource first had a phase, a RayCluster and a NetworkPolicy (suspended,
+    it has no Service).
 
     Three watches of one namespace keep only a name and a moment per object (not the events),
     and a wait compares counts before it compares sets: the bench's own CPU and memory stay
@@ -320,12 +342,12 @@ class Convergence:
         # another namespace ignored (names are unique across them).
         self.raw, self.namespaces = raw, set(namespaces)
         self.scope = namespaces[0] if len(namespaces) == 1 else None
-        self.first: dict[str, dict[str, float]] = {"phase": {}, "cluster": {}, "service": {}}
+        self.first: dict[str, dict[str, float]] = {"phase": {}, "cluster": {}, "policy": {}}
         self._new = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Convergence:
-        for what, kind in (("phase", VDP), ("cluster", RAYCLUSTER), ("service", SERVICE)):
+        for what, kind in (("phase", VDP), ("cluster", RAYCLUSTER), ("policy", NETWORKPOLICY)):
             self._tasks.append(asyncio.create_task(self._follow(what, kind)))
         return self
 
@@ -368,7 +390,7 @@ class Convergence:
                 resp.release()
 
     def done(self, names: set[str]) -> bool:
-        """Whether every one of `names` has a phase, a RayCluster and a Service."""
+        """Whether every one of `names` has a phase, a RayCluster and a NetworkPolicy."""
         return all(len(d) >= len(names) and names <= d.keys() for d in self.first.values())
 
     async def wait(self, what: str, names: set[str], timeout: float) -> None:

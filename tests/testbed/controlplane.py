@@ -71,6 +71,12 @@ rules:
 """
 
 
+def _profiling() -> str:
+    """`--profiling` of the API server: off, unless VLLMDP_TESTBED_PROFILING=1 asks for its
+    /debug/pprof endpoints (CPU profiles of a benchmark's steps; docs/benchmarks.md)."""
+    return "true" if os.environ.get("VLLMDP_TESTBED_PROFILING") == "1" else "false"
+
+
 def audit_log(root: Path) -> Path:
     """The API server's audit log (JSON lines) in a state dir."""
     return root / "logs" / "audit.log"
@@ -168,7 +174,7 @@ class ControlPlane:
              # ("required storage feature RequestWatchProgress is disabled"); kwok always
              # watches from 0, so it would see pod changes only on relists (up to ~30 s late).
              "--feature-gates=WatchList=false", *audit,
-             "--allow-privileged=true", "--profiling=false", "--v=1"],
+             "--allow-privileged=true", f"--profiling={_profiling()}", "--v=1"],
             lambda: http_get(f"{self.server}/readyz", token)[0] == 200, 120,
         )  # fmt: skip
         k = str(self.kubeconfig_for("kube-controller-manager"))
