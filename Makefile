@@ -18,7 +18,8 @@ NODES ?=
 .PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes \
-        image engine-image kind-build e2e-kind e2e-kind-down images images-smoke
+        image engine-image kind-build e2e-kind e2e-kind-down images images-smoke builds \
+        build-lane-k8s build-lane-tools build-lane-images netpol-build
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
@@ -76,6 +77,32 @@ test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
 
 test-vllm-contract: ## Opt-in: vLLM 0.33.0's own parser and placement against our plans (~9 GB)
 	$(PYTEST) -m vllm tests/vllm_contract
+
+builds: ## Build (or reuse) everything `make test` runs: three lanes at once, then the kind tier's parts (CI runs this)
+	@$(MAKE) --no-print-directory -j3 --output-sync=line build-lane-k8s build-lane-tools build-lane-images
+	@t0=$$(date +%s); $(MAKE) --no-print-directory kind-build; echo "builds: kind-build in $$(( $$(date +%s) - t0 ))s"
+
+netpol-build: ## Build (or reuse) the real-node bed's NetworkPolicy enforcer alone (kube-router; cluster-build has it)
+	@$(HOSTREQS) ensure build kwok cluster
+	$(TESTBED) netpol-build
+
+# The lanes of `builds`. Each Go build already uses both cores while it compiles; run one at a
+# time, the Go builds leave a core idle while they download modules and link, and the image
+# builds mostly wait on Debian's packages, PyPI and the disk. The k8s.io/kubernetes commands
+# stay in one lane, so no package of it is compiled twice at once; the enforcer is built in the
+# tools lane before the k8s lane's cluster-build asks for it (that waits on its build lock).
+build-lane-k8s:
+	@t0=$$(date +%s); $(MAKE) --no-print-directory testbed-build && $(MAKE) --no-print-directory cluster-build; \
+	  rc=$$?; echo "builds: lane k8s (testbed-build, cluster-build) in $$(( $$(date +%s) - t0 ))s, rc=$$rc"; exit $$rc
+
+build-lane-tools:
+	@t0=$$(date +%s); tests/chart/ensure_helm.sh >/dev/null && $(MAKE) --no-print-directory netpol-build \
+	  && $(MAKE) --no-print-directory kueue-build; \
+	  rc=$$?; echo "builds: lane tools (helm, netpol-build, kueue-build) in $$(( $$(date +%s) - t0 ))s, rc=$$rc"; exit $$rc
+
+build-lane-images: $(BIN)/python
+	@t0=$$(date +%s); $(MAKE) --no-print-directory images; \
+	  rc=$$?; echo "builds: lane images in $$(( $$(date +%s) - t0 ))s, rc=$$rc"; exit $$rc
 
 helm: ## Build (once) and print the pinned helm
 	@tests/chart/ensure_helm.sh

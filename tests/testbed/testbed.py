@@ -16,6 +16,7 @@ in `.cluster/` or $VLLMDP_CLUSTER_DIR.
 
     testbed.py cluster build               also kubelet, kube-proxy, CoreDNS, pause/probe images
     testbed.py kueue-build | kueue-up | kueue-down   Kueue with its webhooks on the kwok bed
+    testbed.py netpol-build                the enforcer alone (kube-router; `cluster build` has it)
     testbed.py cluster up [--nodes 2] [--gpus-per-node 4] [--image TAR ...]
                                            (`make cluster-up NODES=4`: 1..9 nodes, default 2)
     testbed.py cluster import [--node N] TAR...   image archives into the nodes (skips same image)
@@ -85,6 +86,7 @@ def _kwok_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="fail instead of building missing binaries")
     sub.add_parser("down", help="stop what `up` started")
     sub.add_parser("kueue-build", help="build or reuse Kueue (binary, CRDs, webhooks)")
+    sub.add_parser("netpol-build", help="build or reuse the real-node bed's NetworkPolicy enforcer")
     sub.add_parser("kueue-up", help="start Kueue with its webhooks on the running bed")
     sub.add_parser("kueue-down", help="remove Kueue's webhooks and stop it")
     sub.add_parser("env", help="print shell exports")
@@ -244,6 +246,8 @@ def _kwok(a: argparse.Namespace) -> int:
         kwoknodes.down(st)
     elif a.cmd == "kueue-build":
         print(binaries.build_kueue())
+    elif a.cmd == "netpol-build":
+        print(binaries.build_netpol())
     elif a.cmd == "kueue-up":
         print(json.dumps(kueuebed.up(st)))
     elif a.cmd == "kueue-down":
