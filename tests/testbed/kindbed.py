@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -290,8 +291,31 @@ def install_kuberay(bed: Bed, image: str) -> None:
             "--timeout=300s", timeout=330)  # fmt: skip
 
 
+# What a node keeps of one loaded archive, per byte of it: the blobs as they came, and their
+# unpacked snapshots (the CPU engine's layers unpack to about 2.1 times their packed size), with
+# a margin for the node's own writes while the tier runs.
+NODE_BYTES_PER_ARCHIVE_BYTE = 3.5
+
+
+def space_needed(archive_bytes: int, nodes: int) -> int:
+    """Bytes the daemon's disk must have free before `nodes` nodes each load `archive_bytes`."""
+    return int(archive_bytes * NODE_BYTES_PER_ARCHIVE_BYTE * nodes)
+
+
+def check_space(archives: list[Path], data_dir: Path, nodes: int) -> None:
+    """Refuse, naming the numbers, before a load that would fill the disk halfway through (ctr's
+    "no space left on device" comes minutes later, from inside a node)."""
+    need = space_needed(sum(a.stat().st_size for a in archives), nodes)
+    free = shutil.disk_usage(data_dir).free
+    if free < need:
+        raise RuntimeError(f"kind: loading {len(archives)} image archives onto {nodes} nodes needs "
+                           f"about {need / 2**30:.1f} GiB free under {data_dir}; it has "
+                           f"{free / 2**30:.1f} GiB. Free some disk, then run the tier again.")
+
+
 def load_archives(archives: list[Path]) -> None:
     """`kind load image-archive` each archive onto every node."""
+    check_space(archives, kinddocker.paths().data, len(cluster_config(False, Path())["nodes"]))
     for archive in archives:
         t0 = time.monotonic()
         kind("load", "image-archive", str(archive), f"--name={CLUSTER}", timeout=1800)

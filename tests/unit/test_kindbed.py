@@ -153,3 +153,19 @@ def test_a_directive_with_a_block_goes_with_its_block() -> None:
     assert _words(fitted) == ".:53 { errors forward . /etc/resolv.conf { max_concurrent 1000 } }"
     every = kindbed.coredns_plugins() | {"prometheus", "loop", "reload"}
     assert kindbed.corefile_for(COREFILE, every) == COREFILE
+
+
+def test_loading_onto_a_disk_too_small_is_refused_with_the_numbers(tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    archive = tmp_path / "engine.tar"
+    archive.write_bytes(b"\0" * 1000)
+    free = {"bytes": 6999}
+
+    def usage(path: object) -> object:
+        return type("Usage", (), {"free": free["bytes"], "total": 0, "used": 0})()
+
+    monkeypatch.setattr(kindbed.shutil, "disk_usage", usage)
+    with pytest.raises(RuntimeError, match=r"2 nodes needs about .* GiB free under .*; it has"):
+        kindbed.check_space([archive], tmp_path, nodes=2)
+    free["bytes"] = kindbed.space_needed(1000, 2)
+    kindbed.check_space([archive], tmp_path, nodes=2)
