@@ -138,8 +138,9 @@ def _reconciles(op: OperatorProcess) -> int:
         return int((json.loads(resp.read()).get("controller") or {}).get("reconciles", 0))
 
 
-async def _quiet(op: OperatorProcess, seconds: float = 5) -> None:
-    """Until no reconcile ran for `seconds`."""
+async def _quiet(op: OperatorProcess, seconds: float = 12) -> None:
+    """Until no reconcile ran for `seconds`: more than the 10 s kopf keeps a probe's answer
+    (/healthz) for, or an unchanged count could be one cached answer read twice."""
     seen, last = _reconciles(op), time.monotonic()
     while time.monotonic() - last < seconds:
         await asyncio.sleep(0.5)
