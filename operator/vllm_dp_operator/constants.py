@@ -43,6 +43,9 @@ KUBERAY_MAX_RAYCLUSTER_NAME: Final = 53
 DNS_LABEL_MAX: Final = 63
 CLUSTER_HASH_SUFFIX: Final = 6  # "-" + 5 hex characters of the shape hash
 ATTEMPT_SUFFIX: Final = 7  # "-j" + 5 base-36 digits of the attempt (see names.head_job)
+#: Replicas of one resource (spec.replicas): the head job's name holds the index in two base-36
+#: digits (names.head_job), and every replica's head is one endpoint of one EndpointSlice.
+MAX_REPLICAS: Final = 100
 HEAD_SERVICE_SUFFIX: Final = "-head-svc"  # KubeRay's head Service: <cluster>-head-svc
 API_SERVICE_SUFFIX: Final = "-api"
 RAY_TOKEN_SECRET_SUFFIX: Final = "-ray-token"
@@ -81,6 +84,9 @@ LABEL_CLUSTER_HASH: Final = f"{GROUP}/cluster-hash"
 LABEL_JOB_HASH: Final = f"{GROUP}/job-hash"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 LABEL_CLUSTER: Final = f"{GROUP}/cluster"
+#: The replica a RayCluster, head job or Ray pod belongs to; absent on children that versions
+#: before replicas made, which are replica 0's.
+LABEL_REPLICA: Final = f"{GROUP}/replica"
 LABEL_RAY_CLUSTER: Final = "ray.io/cluster"
 LABEL_RAY_NODE_TYPE: Final = "ray.io/node-type"
 # The head pod label that versions before the EndpointSlice routing set, and their Service selected.
@@ -130,6 +136,10 @@ PHASE_SUSPENDED: Final = "Suspended"
 # In a Kueue queue, not admitted yet (or again); Preempted: evicted by Kueue, waiting to return.
 PHASE_QUEUED: Final = "Queued"
 PHASE_PREEMPTED: Final = "Preempted"
+#: spec.replicas is 0: the Service stays, no RayCluster is held.
+PHASE_SCALED_TO_ZERO: Final = "ScaledToZero"
+#: A replica's own phase while it leaves (scale-down): unrouted, its engines finishing.
+PHASE_DRAINING: Final = "Draining"
 
 # Condition types.
 COND_SPEC_VALID: Final = "SpecValid"
@@ -143,6 +153,10 @@ COND_ENGINES_REPORTING: Final = "EnginesReporting"
 # Whether the operator can list and watch every child kind (False only while one is not
 # served, 404, or not readable, 403; present only on resources once told so).
 COND_CHILDREN_WATCHED: Final = "ChildrenWatched"
+#: How many replicas route, of how many: True while at least one does.
+COND_AVAILABLE: Final = "Available"
+#: True while a replica that should serve does not (named in the message).
+COND_DEGRADED: Final = "Degraded"
 
 # Condition and event reasons.
 REASON_VALID: Final = "Valid"
@@ -187,6 +201,14 @@ REASON_NOT_SERVING: Final = "NotServing"
 REASON_KIND_NOT_SERVED: Final = "KindNotServed"
 REASON_WATCH_FORBIDDEN: Final = "WatchForbidden"
 REASON_WATCHING: Final = "Watching"
+REASON_REPLICAS_AVAILABLE: Final = "ReplicasAvailable"
+REASON_NO_REPLICA_AVAILABLE: Final = "NoReplicaAvailable"
+REASON_SCALED_TO_ZERO: Final = "ScaledToZero"
+REASON_REPLICA_DEGRADED: Final = "ReplicaDegraded"
+REASON_ALL_REPLICAS_SERVE: Final = "AllReplicasServe"
+REASON_SCALED: Final = "Scaled"
+REASON_REPLICA_DRAINING: Final = "ReplicaDraining"
+REASON_REPLICA_REMOVED: Final = "ReplicaRemoved"
 
 EVENT_NORMAL: Final = "Normal"
 EVENT_WARNING: Final = "Warning"

@@ -245,14 +245,16 @@ def test_names_and_scope(crd: dict[str, Any]) -> None:
     assert "vdp" in names["shortNames"]
     [version] = crd["spec"]["versions"]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}  # fmt: skip
 
 
 def test_printer_columns(crd: dict[str, Any], schema: dict[str, Any]) -> None:
     [version] = crd["spec"]["versions"]
     columns = version["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["DP", "TP", "Pods", "Phase", "Update", "Load",
-                                          "Endpoint", "Age"]  # fmt: skip
+    assert [c["name"] for c in columns] == ["DP", "TP", "Pods", "Ready", "Phase", "Update",
+                                          "Load", "Endpoint", "Age"]  # fmt: skip
     for column in columns:
         path = column["jsonPath"]
         if path == ".metadata.creationTimestamp":

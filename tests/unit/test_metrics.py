@@ -156,22 +156,25 @@ def gone(m: OperatorMetrics, at: dict[str, str]) -> bool:
 def test_per_rank_load_is_a_metric_while_serving_and_goes_after() -> None:
     """Per-rank numbers live in the metrics (status only has a summary): set from the probe
     pool's reading, replaced by the next, gone when the pool stops probing the resource, when
-    it is deleted, or is no longer listed."""
+    it is deleted, or is no longer listed. Each replica's ranks are its own series."""
     listed = [(("ns", "a"), {"phase": c.PHASE_SERVING})]
     m = OperatorMetrics(lambda: listed)
     loads = {0: EngineLoad(0, 3, 0, 0.125), 1: EngineLoad(1, 5, 2, 0.375)}
-    m.set_engine_loads(("ns", "a"), loads)
-    at = {"namespace": "ns", "name": "a"}
+    m.set_engine_loads(("ns", "a", 0), loads)
+    at = {"namespace": "ns", "name": "a", "replica": "0"}
     assert value(m, "vllmdp_engine_requests_running", **at, rank="1") == 5
     assert value(m, "vllmdp_engine_requests_waiting", **at, rank="1") == 2
     assert value(m, "vllmdp_engine_kv_cache_usage", **at, rank="0") == 0.125
-    m.set_engine_loads(("ns", "a"), {0: EngineLoad(0, 1, 0, 0.0)})
+    m.set_engine_loads(("ns", "a", 1), {0: EngineLoad(0, 9, 0, 0.0)})
+    assert value(m, "vllmdp_engine_requests_running", **{**at, "replica": "1"}, rank="0") == 9
+    assert value(m, "vllmdp_engine_requests_running", **at, rank="0") == 3
+    m.set_engine_loads(("ns", "a", 0), {0: EngineLoad(0, 1, 0, 0.0)})
     assert value(m, "vllmdp_engine_requests_running", **at, rank="0") == 1
     listed.clear()  # the owner cache no longer lists it: its series go at once
     assert gone(m, at)
     listed.append((("ns", "a"), {"phase": c.PHASE_SERVING}))
-    m.set_engine_loads(("ns", "a"), None)  # the pool released it: forgotten
+    m.set_engine_loads(("ns", "a", 0), None)  # the pool released it: forgotten
     assert gone(m, at)
-    m.set_engine_loads(("ns", "a"), loads)
+    m.set_engine_loads(("ns", "a", 0), loads)
     m.forget(("ns", "a"))
-    assert gone(m, at)
+    assert gone(m, at) and gone(m, {**at, "replica": "1"})

@@ -138,7 +138,7 @@ async def test_wakes_on_a_change_only_and_feeds_per_rank_load_without_a_wake() -
         await until(lambda: engines.asked.count(svc) >= 5)
         assert woken == [("ns", "a")]  # the first answer; the same answer again is no news
         engines.loads[svc] = {0: EngineLoad(0, 7, 0, 0.3)}  # busier, same level: no wake
-        await until(lambda: loads[("ns", "a")] == engines.loads[svc])
+        await until(lambda: loads[("ns", "a", 0)] == engines.loads[svc])
         assert woken == [("ns", "a")]
         engines.loads[svc] = {0: EngineLoad(0, 7, 3, 0.3)}  # requests wait: Saturated
         await until(lambda: len(woken) == 2)
@@ -148,7 +148,7 @@ async def test_wakes_on_a_change_only_and_feeds_per_rank_load_without_a_wake() -
         assert not health.ok and health.failing_since is not None
         assert len(woken) >= 2 + health.failures - 1
         p.release(("ns", "a"))
-        assert loads[("ns", "a")] is None and len(p) == 0
+        assert loads[("ns", "a", 0)] is None and len(p) == 0
         asked = len(engines.asked)
         await asyncio.sleep(0.05)
         assert len(engines.asked) <= asked + 1  # at most the probe that was in flight
@@ -271,11 +271,11 @@ async def test_a_surge_probes_the_serving_head_and_the_new_one_side_by_side() ->
         assert len(p) == 2
         await until(lambda: engines.asked.count("a-head-svc") >= 5
                     and engines.asked.count("a2-head-svc") >= 5)  # fmt: skip
-        assert loads[("ns", "a")][0].running == 3  # never the new generation's
+        assert loads[("ns", "a", 0)][0].running == 3  # never the new generation's
         engines.ok["a-head-svc"] = False  # the serving engine hangs on
         await until(lambda: p.health(old).failures >= 3)
         assert p.health(new).ok
-        p.release_candidate(("ns", "a"))
+        p.keep(("ns", "a"), {0: False})  # no update starting: the new generation's slot goes
         assert len(p) == 1 and p.health(old).failures >= 3
         asked = engines.asked.count("a2-head-svc")
         await until(lambda: engines.asked.count("a-head-svc") >= 15)

@@ -333,7 +333,8 @@ INVALID: list[Any] = [
         {"dataParallel": DELETE}, "spec.dataParallel", "Field required", id="missing-data-parallel"
     ),
     pytest.param(
-        {"replicas": 3}, "spec.replicas", "Extra inputs are not permitted", id="unknown-field"
+        {"replicaCount": 3}, "spec.replicaCount", "Extra inputs are not permitted",
+        id="unknown-field"
     ),
     pytest.param(
         {"dataParallel": {"nodes": 2}},

@@ -205,11 +205,17 @@ class World:
                 self.new_head_pod(name)
 
     def new_head_pod(self, cluster: str, index: int = 0) -> None:
+        # KubeRay gives a pod its template's labels, and its own.
+        obj = self.kube.objects.get((RAYCLUSTER, "default", cluster)) or {}
+        template = ((obj.get("spec") or {}).get("headGroupSpec") or {}).get("template") or {}
+        labels = {**(template.get("metadata") or {}).get("labels", {}),
+                  c.LABEL_RAY_CLUSTER: cluster, c.LABEL_RAY_NODE_TYPE: "head"}  # fmt: skip
         self.kube.objects[(POD, "default", f"{cluster}-head-{index}")] = {
             "metadata": {"name": f"{cluster}-head-{index}", "uid": f"uid-head-{cluster}-{index}",
-                         "labels": {c.LABEL_RAY_CLUSTER: cluster, c.LABEL_RAY_NODE_TYPE: "head"}},
+                         "labels": labels},
             "spec": {"nodeName": "node-a"},
-            "status": {"phase": "Running", "podIP": f"10.0.0.{10 + index}",
+            "status": {"phase": "Running",
+                       "podIP": f"10.0.{len(self.kube.named(POD))}.{10 + index}",
                        "conditions": [{"type": "Ready", "status": "True"}],
                        "containerStatuses": [{"name": c.HEAD_CONTAINER, "state": {
                            "running": {"startedAt": "2026-01-01T00:00:00Z"}}}]},

@@ -15,6 +15,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "DP", "type": "integer", "jsonPath": ".spec.dataParallel.size"},
     {"name": "TP", "type": "integer", "jsonPath": ".spec.tensorParallelSize"},
     {"name": "Pods", "type": "integer", "jsonPath": ".status.layout.gpuPods"},
+    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Update", "type": "string", "jsonPath": ".status.update.phase"},
     {"name": "Load", "type": "string", "jsonPath": ".status.load.level"},
@@ -109,7 +110,15 @@ def build_crd() -> dict[str, Any]:
                     "name": constants.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {
+                        "status": {},
+                        # kubectl scale, HPA and KEDA: the head pods are the replicas' pods.
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {
                         "openAPIV3Schema": {

@@ -402,6 +402,15 @@ class VLLMDataParallelSpec(ApiModel):
         description="Engine image (vLLM + Ray + launcher); defaults to the operator's setting.",
     )
     data_parallel: DataParallel = Field(description="Data-parallel layout.")
+    replicas: JsonInt = Field(
+        default=1,
+        ge=0,
+        le=constants.MAX_REPLICAS,
+        description="Identical DP groups behind the one API Service, each its own RayCluster "
+        "and head job at this layout: the unit of failure, scaling and queueing. 0 keeps the "
+        "Service and holds no RayCluster. The /scale subresource sets it (kubectl scale, HPA, "
+        "KEDA). A replica that leaves is unrouted first and drains (spec.update.drainSeconds).",
+    )
     tensor_parallel_size: JsonInt = Field(
         default=1,
         ge=1,
@@ -580,6 +589,42 @@ class UpdateStatus(ApiModel):
     )
 
 
+class ReplicaStatus(ApiModel):
+    """One replica (one DP group): what its reconcile carries from one run to the next."""
+
+    index: int = Field(description="The replica's index: its children are named after it.")
+    phase: str | None = Field(default=None, description="The replica's own phase.")
+    message: str | None = Field(default=None, description="What is happening to it, in words.")
+    routed: bool = Field(default=False, description="Whether the API Service routes to its head.")
+    leaving: str | None = Field(
+        default=None,
+        description="Scale-down: when it was unrouted to leave (RFC 3339); it drains, then its "
+        "head job stops and its RayCluster is deleted.",
+    )
+    updated: bool = Field(default=False, description="Whether it runs what the spec asks for.")
+    conditions: list[Condition] = Field(default_factory=list, description="Its conditions.")
+    ray_cluster: str | None = Field(default=None, description="Its RayCluster.")
+    head_job: str | None = Field(default=None, description="Its current head RayJob.")
+    served_job: str | None = Field(default=None, description="Its head job last seen serving.")
+    served_head_pod: str | None = Field(
+        default=None, description="The UID of the head pod servedJob served on."
+    )
+    launch_attempts: int = Field(default=0, description="Head jobs it created so far.")
+    consecutive_failures: int = Field(
+        default=0, description="Head-job failures since it last served."
+    )
+    last_failed_job: str | None = Field(default=None, description="Last head job seen failed.")
+    last_failure_time: str | None = Field(default=None, description="When (RFC 3339).")
+    last_failure_reason: str | None = Field(default=None, description="Why, in words.")
+    next_launch_time: str | None = Field(default=None, description="Backoff: next launch.")
+    launch_deadline: str | None = Field(default=None, description="Launch deadline.")
+    probe_failures: int | None = Field(default=None, description="Failed probes in a row.")
+    probe_failing_since: str | None = Field(default=None, description="Since when.")
+    update: UpdateStatus | None = Field(default=None, description="Its Surge in progress.")
+    failed_update: str | None = Field(default=None, description="Its last failed Surge target.")
+    load: LoadSummary | None = Field(default=None, description="Its engines' load.")
+
+
 class VLLMDataParallelStatus(ApiModel):
     """Observed state, written by the operator."""
 
@@ -638,6 +683,26 @@ class VLLMDataParallelStatus(ApiModel):
         default=None,
         description="Job hash of the last Surge target that did not serve by its deadline: it "
         "is not tried again until the spec asks for something else.",
+    )
+    replicas: int = Field(
+        default=0, description="Replicas that exist (the /scale subresource's status)."
+    )
+    ready_replicas: int = Field(default=0, description="Replicas the API Service routes to.")
+    ready: str | None = Field(
+        default=None, description="readyReplicas/spec.replicas, as kubectl get shows it."
+    )
+    updated_replicas: int = Field(
+        default=0, description="Replicas that run what the spec asks for."
+    )
+    selector: str | None = Field(
+        default=None,
+        description="Label selector of the replicas' Ray head pods (the /scale subresource's, "
+        "for HPA and KEDA).",
+    )
+    replica_statuses: list[ReplicaStatus] = Field(
+        default_factory=list,
+        description="Each replica's own state. The fields above that name one RayCluster or "
+        "head job (rayCluster, headJob, servedJob, ...) show the first replica's.",
     )
     load: LoadSummary | None = Field(
         default=None,

@@ -15,32 +15,64 @@ def content_hash(obj: Any, length: int = 8) -> str:
     return hashlib.sha256(blob).hexdigest()[:length]
 
 
-def raycluster(instance: str, cluster_hash: str) -> str:
-    """RayCluster name: one per cluster shape, so a reshape never reuses stale pods."""
-    return f"{instance}-{cluster_hash[:5]}"
+def raycluster(instance: str, cluster_hash: str, replica: int = 0) -> str:
+    """RayCluster name: one per cluster shape and replica, so a reshape never reuses stale pods.
+
+    Replica 0 has the name a resource had before replicas (no RayCluster is replaced on an
+    upgrade); replica r > 0 adds `-r<r>`, within KubeRay's 53 characters for any admitted name.
+    """
+    base = f"{instance}-{cluster_hash[:5]}"
+    return f"{base}-r{replica}" if replica else base
 
 
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
-_ATTEMPT_DIGITS = constants.ATTEMPT_SUFFIX - 2  # after "-j"
+_TAG_DIGITS = constants.ATTEMPT_SUFFIX - 2  # after "-j"
+#: A replica above 0 has its index in the tag's first two digits, the attempt in the rest.
+_REPLICA_DIGITS = 2
 
 
-def attempt_tag(attempt: int) -> str:
-    """The attempt as fixed-width base 36 ('00001', '0000a', ...), wrapping after 36^5 - 1."""
-    n = attempt % 36**_ATTEMPT_DIGITS
+def _base36(n: int, width: int) -> str:
     digits = ""
-    for _ in range(_ATTEMPT_DIGITS):
+    for _ in range(width):
         n, r = divmod(n, 36)
         digits = _BASE36[r] + digits
     return digits
 
 
-def head_job(instance: str, attempt: int) -> str:
-    """Head RayJob name for a launch attempt; it is also the Ray job's submission id.
+def attempt_tag(attempt: int, replica: int = 0) -> str:
+    """The attempt as fixed-width base 36: replica 0's as it always was, five digits that
+    wrap after 36^5 - 1 ('00001', '0000a', ...); another replica's, two digits of its index
+    and three of the attempt, which wrap after 36^3 - 1 ('01001': replica 1, attempt 1)."""
+    if replica == 0:
+        return _base36(attempt % 36**_TAG_DIGITS, _TAG_DIGITS)
+    attempt_digits = _TAG_DIGITS - _REPLICA_DIGITS
+    return _base36(replica, _REPLICA_DIGITS) + _base36(attempt % 36**attempt_digits,
+                                                        attempt_digits)  # fmt: skip
+
+
+def head_job(instance: str, attempt: int, replica: int = 0) -> str:
+    """Head RayJob name for a replica's launch attempt; also the Ray job's submission id.
 
     A fixed-width suffix keeps every attempt within KubeRay's 47-character RayJob limit for
-    any resource name the CRD admits (a growing decimal suffix did not).
+    any resource name the CRD admits (a growing decimal suffix did not). Replica 0's is
+    `-j<attempt>`, the name every head job had before replicas; another replica's is
+    `-r<replica><attempt>`, so the two never meet.
     """
-    return f"{instance}-j{attempt_tag(attempt)}"
+    return f"{instance}-{'r' if replica else 'j'}{attempt_tag(attempt, replica)}"
+
+
+def replica_of(obj: dict[str, Any]) -> int:
+    """The replica a child belongs to: its label, or 0 for one made before replicas."""
+    labels = obj.get("metadata", {}).get("labels") or {}
+    try:
+        return int(labels.get(constants.LABEL_REPLICA, "0"))
+    except ValueError:
+        return -1  # not ours to place: no replica adopts it
+
+
+def replica_labels(replica: int) -> dict[str, str]:
+    """The label that says which replica a RayCluster, head job or Ray pod belongs to."""
+    return {constants.LABEL_REPLICA: str(replica)}
 
 
 def head_service(cluster: str) -> str:
@@ -92,6 +124,13 @@ def service_fqdn(service_name: str, namespace: str, cluster_domain: str) -> str:
     lookup before the real one; an absolute name skips them all.
     """
     return f"{service_name}.{namespace}.svc.{cluster_domain}."
+
+
+def head_pods_selector(instance: str) -> str:
+    """Label selector of every replica's Ray head pod (status.selector, for HPA and KEDA)."""
+    return (f"{constants.LABEL_INSTANCE}={instance},"
+            f"{constants.LABEL_COMPONENT}={constants.COMPONENT_ENGINE},"
+            f"{constants.LABEL_RAY_NODE_TYPE}=head")  # fmt: skip
 
 
 def head_pod_selector(cluster: str) -> str:

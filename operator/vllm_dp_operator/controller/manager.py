@@ -119,7 +119,17 @@ def jitter(seconds: float, spread: float = 0.1) -> float:
 
 
 #: The phases in which a resource's head is probed.
-PROBED_PHASES = frozenset({c.PHASE_LAUNCHING, c.PHASE_SERVING})
+PROBED_PHASES = frozenset({c.PHASE_LAUNCHING, c.PHASE_SERVING, c.PHASE_DRAINING})
+
+
+def probed(status: dict[str, Any]) -> dict[int, bool]:
+    """The replicas the pool probes (those that launch, serve or drain), and for each whether
+    its Surge's new generation is probed too (an update is starting)."""
+    if status.get("phase") == c.PHASE_INVALID:
+        return {}
+    return {int(e["index"]): (e.get("update") or {}).get("phase") == STARTING
+            for e in status.get("replicaStatuses") or []
+            if e.get("phase") in PROBED_PHASES}  # fmt: skip
 
 
 def next_wake(cfg: Config, outcome: Outcome) -> float:
@@ -509,10 +519,7 @@ class Controller:
             return None
         self.reconciles += 1
         self.metrics.observe(current, outcome, owner["metadata"].get("creationTimestamp"), now)
-        if outcome.status.get("phase") not in PROBED_PHASES:
-            self.probes.release(key)
-        elif (outcome.status.get("update") or {}).get("phase") != STARTING:
-            self.probes.release_candidate(key)  # no new generation to probe beside the old
+        self.probes.keep(key, probed(outcome.status))
         self._settled(key)
         again = watched_again(outcome.status["conditions"], outcome.status["observedGeneration"],
                               now)  # fmt: skip

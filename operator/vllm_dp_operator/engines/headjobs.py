@@ -123,6 +123,14 @@ class HeadJobs:
         else:
             await self._report(latest, waiting, routed)
 
+    async def retire_all(self, jobs: list[dict[str, Any]], why: str) -> list[str]:
+        """Take one step towards stopping each of these head jobs (a replica that leaves);
+        what is still under way, in words (empty once all are gone)."""
+        waiting = [m for job in jobs if (m := await self._retire(job, why))]
+        if waiting:
+            self.st.recheck(STOP_RECHECK_SECONDS)
+        return waiting
+
     async def _failure(self, job: dict[str, Any]) -> str | None:
         """Why the latest head job counts as failed, or None; probes /health when it runs."""
         name, doc = job["metadata"]["name"], self.st.doc
@@ -134,7 +142,8 @@ class HeadJobs:
         model = (self.spec.served_model_name or self.spec.model) if self.complete else None
         self.target = Target(self.ns, self.res.name, names.head_service(self.cluster),
                              self.spec.service.port, name, model,
-                             self.spec.api_key_secret_ref is not None)  # fmt: skip
+                             self.spec.api_key_secret_ref is not None,
+                             self.res.replica)  # fmt: skip
         served = self._served(job)
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).
@@ -172,7 +181,7 @@ class HeadJobs:
         return Launch(self.ns, self.res.name, self.head_pod["metadata"]["name"],
                       c.HEAD_CONTAINER, meta["name"],
                       parse_rfc3339(meta.get("creationTimestamp")) or self.st.now,
-                      ANSWERED if self.complete else SERVING)  # fmt: skip
+                      ANSWERED if self.complete else SERVING, self.res.replica)  # fmt: skip
 
     def _served(self, job: dict[str, Any]) -> bool:
         """Whether this head job has served on the head pod it runs on now. KubeRay submits a
@@ -325,6 +334,7 @@ class HeadJobs:
         body = build_head_job(
             self.res.name, self.ns, self.spec, self.plan, self.cluster, attempt,
             owner_reference(self.res.name, self.res.uid), self.head_pod["metadata"]["uid"],
+            self.res.replica,
         )  # fmt: skip
         with contextlib.suppress(AlreadyExists):  # an earlier, interrupted reconcile made it
             await self.kube.create(RAYJOB, self.ns, body)

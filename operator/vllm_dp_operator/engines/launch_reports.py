@@ -27,6 +27,7 @@ from vllm_dp_launcher.stages import EXITED, MARKER, SERVING, parse_stage_lines
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
+Slot = tuple[str, str, int]
 #: Pause before a stream that ended is followed again; it doubles while streams bring no
 #: line of the launch (a kubelet that serves no log, a pod without the launcher's report),
 #: up to REFOLLOW_MAX_SECONDS.
@@ -56,11 +57,18 @@ class Launch:
     started: datetime
     #: The stage after which nothing more is waited for from its log (besides `exited`).
     until: str = SERVING
+    #: The replica it launches for: each replica's launch is followed on its own.
+    replica: int = 0
 
     @property
     def key(self) -> Key:
         """The owning resource's key."""
         return (self.namespace, self.owner)
+
+    @property
+    def slot(self) -> Slot:
+        """Where it is kept: one launch per replica of a resource."""
+        return (self.namespace, self.owner, self.replica)
 
     def final(self, stage: str | None) -> bool:
         """Whether nothing more is waited for after this stage."""
@@ -75,32 +83,39 @@ class LaunchReports:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:  # fmt: skip
         self._source, self._changed, self._clock = source, changed, clock
-        self._follows: dict[Key, tuple[Launch, asyncio.Task[None]]] = {}
-        self._stages: dict[Key, tuple[Launch, str]] = {}
+        self._follows: dict[Slot, tuple[Launch, asyncio.Task[None]]] = {}
+        self._stages: dict[Slot, tuple[Launch, str]] = {}
 
     def stage(self, launch: Launch) -> str | None:
         """The last stage this head job reported; starts following its log if need be."""
-        seen = self._stages.get(launch.key)
+        seen = self._stages.get(launch.slot)
         stage = seen[1] if seen is not None and seen[0] == launch else None
         if not launch.final(stage):
             self._follow(launch)
         return stage
 
-    def release(self, key: Key) -> None:
-        """Forget a resource's launch: it neither launches nor serves, or is gone."""
-        self._stages.pop(key, None)
-        self._stop(key)
+    def release(self, key: Key, replica: int | None = None) -> None:
+        """Forget a resource's launches (or one replica's): it neither launches nor serves,
+        or is gone."""
+        for slot in [s for s in (*self._stages, *self._follows) if s[:2] == key
+                     and replica in (None, s[2])]:  # fmt: skip
+            self._stages.pop(slot, None)
+            self._stop(slot)
+
+    def slots(self, key: Key) -> list[Slot]:
+        """The replicas of a resource whose launches are kept."""
+        return [s for s in {*self._stages, *self._follows} if s[:2] == key]
 
     def _follow(self, launch: Launch) -> None:
-        current = self._follows.get(launch.key)
+        current = self._follows.get(launch.slot)
         if current is not None and current[0] == launch:
             return
-        self._stop(launch.key)
+        self._stop(launch.slot)
         task = asyncio.create_task(self._run(launch), name=f"log {launch.namespace}/{launch.pod}")
-        self._follows[launch.key] = (launch, task)
+        self._follows[launch.slot] = (launch, task)
 
-    def _stop(self, key: Key) -> None:
-        current = self._follows.pop(key, None)
+    def _stop(self, slot: Slot) -> None:
+        current = self._follows.pop(slot, None)
         if current is not None:
             current[1].cancel()
 
@@ -119,9 +134,9 @@ class LaunchReports:
                 await asyncio.sleep(pause)
                 pause = min(REFOLLOW_MAX_SECONDS, pause * 2)
         finally:
-            current = self._follows.get(launch.key)
+            current = self._follows.get(launch.slot)
             if current is not None and current[1] is asyncio.current_task():
-                del self._follows[launch.key]
+                del self._follows[launch.slot]
 
     async def _read(self, launch: Launch) -> bool:
         """Follow the log once; True once the launch reported a final stage."""
@@ -140,8 +155,8 @@ class LaunchReports:
         return False
 
     def _record(self, launch: Launch, stage: str) -> bool:
-        seen = self._stages.get(launch.key)
+        seen = self._stages.get(launch.slot)
         if seen is None or seen[0] != launch or seen[1] != stage:
-            self._stages[launch.key] = (launch, stage)
+            self._stages[launch.slot] = (launch, stage)
             self._changed(launch.key, stage)
         return launch.final(stage)

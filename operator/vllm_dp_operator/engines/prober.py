@@ -39,8 +39,10 @@ from vllm_dp_operator.engines.probe import EngineReading, HealthProbe, ProbeResu
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
-#: A resource's key and whether the target is a Surge's new generation.
-Slot = tuple[str, str, bool]
+#: A resource's key, the replica, and whether the target is a Surge's new generation.
+Slot = tuple[str, str, int, bool]
+#: Whose per-rank load a reading is: a resource's key and the replica.
+LoadKey = tuple[str, str, int]
 NOT_PROBED = ProbeResult(False, "not probed yet")
 #: /metrics is read on the first probe at least this share of `metrics_seconds` after the last
 #: read: the +-10 % jitter of the period never pushes a 60 s read to the third 30 s probe.
@@ -60,6 +62,10 @@ class Target:
     #: and whether the engines want an API key; None: no completion is asked.
     complete_model: str | None = None
     complete_keyed: bool = False
+    #: The replica whose head it is.
+    replica: int = 0
+    #: Its replica leaves: a target of its own, so the first reading comes after the unroute.
+    draining: bool = False
 
     @property
     def key(self) -> Key:
@@ -68,9 +74,9 @@ class Target:
 
     @property
     def slot(self) -> Slot:
-        """Where the pool keeps it: a Surge's new generation (asked a completion) has a slot
-        of its own beside the serving generation's."""
-        return (self.namespace, self.owner, self.complete_model is not None)
+        """Where the pool keeps it: one per replica, and a Surge's new generation (asked a
+        completion) has a slot of its own beside the serving generation's."""
+        return (self.namespace, self.owner, self.replica, self.complete_model is not None)
 
 
 class EngineProbes(Protocol):
@@ -131,7 +137,7 @@ class ProbePool:
     def __init__(
         self, probe: HealthProbe, wake: Callable[[Key], None], *, concurrency: int,
         launching_seconds: float, serving_seconds: float, metrics_seconds: float = 0.0,
-        on_loads: Callable[[Key, Mapping[int, Any] | None], None] | None = None,
+        on_loads: Callable[[LoadKey, Mapping[int, Any] | None], None] | None = None,
         reports: LaunchReports | None = None, probing: bool = True,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:  # fmt: skip
@@ -145,6 +151,8 @@ class ProbePool:
         self._slots = asyncio.Semaphore(concurrency)
         self._clock = clock
         self._entries: dict[Slot, _Entry] = {}
+        #: Each resource's slots, so a reconcile's keep() costs its own slots, not all.
+        self._keyed: dict[Key, set[Slot]] = {}
         self._heap: list[tuple[float, int, Slot]] = []
         self._seq = 0
         self._changed = asyncio.Event()
@@ -166,7 +174,7 @@ class ProbePool:
 
     def nudge(self, key: Key) -> None:
         """Probe now (the launcher reported that vLLM answers)."""
-        for slot in ((*key, False), (*key, True)):
+        for slot in self._slots_of(key):
             entry = self._entries.get(slot)
             if entry is None or not self._probing:
                 continue
@@ -180,17 +188,37 @@ class ProbePool:
         return self._reports.stage(launch) if self._reports is not None else None
 
     def release(self, key: Key) -> None:
-        """Stop probing a resource that neither launches nor serves, or is gone."""
-        if self._reports is not None:
-            self._reports.release(key)
-        self.release_candidate(key)
-        entry = self._entries.pop((*key, False), None)
-        if entry is not None and self._on_loads is not None:
-            self._on_loads(key, None)
+        """Stop probing a resource that is gone."""
+        self.keep(key, {})
 
-    def release_candidate(self, key: Key) -> None:
-        """Stop probing a Surge's new generation: no update of this resource is starting."""
-        self._entries.pop((*key, True), None)
+    def keep(self, key: Key, wanted: Mapping[int, bool]) -> None:
+        """Probe on only the replicas in `wanted` (the others neither launch nor serve), and
+        a replica's Surge generation only where its value is True (an update is starting)."""
+        for slot in self._slots_of(key):
+            replica, candidate = slot[2], slot[3]
+            if replica in wanted and (wanted[replica] or not candidate):
+                continue
+            self._pop(slot)
+            if not candidate and self._on_loads is not None:
+                self._on_loads((*key, replica), None)
+        if self._reports is not None:
+            for replica in {slot[2] for slot in self._reported_slots(key)} - set(wanted):
+                self._reports.release(key, replica)
+
+    def _slots_of(self, key: Key) -> list[Slot]:
+        return sorted(self._keyed.get(key, ()))
+
+    def _pop(self, slot: Slot) -> None:
+        self._entries.pop(slot, None)
+        key = (slot[0], slot[1])
+        slots = self._keyed.get(key)
+        if slots is not None:
+            slots.discard(slot)
+            if not slots:
+                del self._keyed[key]
+
+    def _reported_slots(self, key: Key) -> list[tuple[str, str, int]]:
+        return self._reports.slots(key) if self._reports is not None else []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -201,6 +229,7 @@ class ProbePool:
             entry = _Entry(target)
             entry.told = _signature(entry)
             self._entries[target.slot] = entry
+            self._keyed.setdefault(target.key, set()).add(target.slot)
             if self._probing:
                 self._schedule(target.slot, entry, 0.0)
         return entry
@@ -282,7 +311,7 @@ class ProbePool:
     def _record(
         self, slot: Slot, entry: _Entry, answer: ProbeResult, reading: EngineReading | None
     ) -> None:
-        key, candidate = slot[:2], slot[2]
+        key, replica, candidate = (slot[0], slot[1]), slot[2], slot[3]
         previous = entry.health
         if answer.ok:
             entry.health = ProbeResult(True, answer.detail)
@@ -297,7 +326,7 @@ class ProbePool:
                 entry.metrics_at = None  # not read: try again with the next probe
             # The resource's load is its serving generation's; a new one's is not yet.
             if self._on_loads is not None and reading.loads is not None and not candidate:
-                self._on_loads(key, reading.loads)
+                self._on_loads((*key, replica), reading.loads)
         period = self._serving if entry.served else self._launching
         self._schedule(slot, entry, 0.0 if entry.again else period * random.uniform(0.9, 1.1))
         entry.again = False

@@ -77,6 +77,8 @@ NAMES = {
 
 
 Key = tuple[str, str]
+#: One replica of a resource: whose per-rank load a probe read.
+LoadKey = tuple[str, str, int]
 
 
 class ResourceCollector(Collector):
@@ -118,14 +120,14 @@ class EngineLoadCollector(Collector):
     """
 
     def __init__(
-        self, loads: Mapping[Key, Mapping[int, Any]],
+        self, loads: Mapping[LoadKey, Mapping[int, Any]],
         resources: Callable[[], Iterable[tuple[Key, Mapping[str, Any]]]],
     ) -> None:  # fmt: skip
         self._loads, self._resources = loads, resources
 
     def collect(self) -> Iterator[Metric]:
         """Three gauges per rank: running, waiting, KV-cache use."""
-        labels = ["namespace", "name", "rank"]
+        labels = ["namespace", "name", "replica", "rank"]
         running, waiting, kv = (
             GaugeMetricFamily(n, NAMES[n], labels=labels)
             for n in ("vllmdp_engine_requests_running", "vllmdp_engine_requests_waiting",
@@ -133,10 +135,10 @@ class EngineLoadCollector(Collector):
         )  # fmt: skip
         known = {key for key, _status in self._resources()} if self._loads else set()
         for key, loads in list(self._loads.items()):
-            if key not in known:
+            if key[:2] not in known:
                 continue
             for rank, load in sorted(loads.items()):
-                at = [key[0], key[1], str(rank)]
+                at = [key[0], key[1], str(key[2]), str(rank)]
                 running.add_metric(at, float(load.running))
                 waiting.add_metric(at, float(load.waiting))
                 kv.add_metric(at, float(load.kv_cache_usage))
@@ -200,12 +202,12 @@ class OperatorMetrics:
         reg.register(ResourceCollector(resources or list))
         reg.register(WatchCollector(watches or list))
         #: Per-rank load by resource, from the probe pool's latest /metrics reads.
-        self._engine_loads: dict[Key, Mapping[int, Any]] = {}
+        self._engine_loads: dict[LoadKey, Mapping[int, Any]] = {}
         reg.register(EngineLoadCollector(self._engine_loads, resources or list))
 
-    def set_engine_loads(self, key: Key, loads: Mapping[int, Any] | None) -> None:
-        """Keep the per-rank load the probe pool read last; None once it probes the
-        resource no more (it neither launches nor serves, or is gone)."""
+    def set_engine_loads(self, key: LoadKey, loads: Mapping[int, Any] | None) -> None:
+        """Keep the per-rank load of one replica that the probe pool read last; None once it
+        probes that replica no more (it neither launches nor serves, or is gone)."""
         if loads is not None:
             self._engine_loads[key] = dict(loads)
         else:
@@ -213,7 +215,8 @@ class OperatorMetrics:
 
     def forget(self, key: Key) -> None:
         """A deleted resource's load goes with it."""
-        self._engine_loads.pop(key, None)
+        for load_key in [k for k in self._engine_loads if k[:2] == key]:
+            self._engine_loads.pop(load_key, None)
 
     def reconciled(self, result: str, seconds: float) -> None:
         """Count one reconcile and its duration."""

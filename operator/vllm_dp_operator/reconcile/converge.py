@@ -8,6 +8,7 @@ garbage collector) is not adopted, not counted, and never changed or deleted her
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -34,21 +35,24 @@ from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of
 from vllm_dp_operator.engines.prober import EngineProbes
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
-from vllm_dp_operator.reconcile import surge
+from vllm_dp_operator.reconcile import leaving, replicaset, surge
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
 from vllm_dp_operator.reconcile.queueing import QueueState, queue_state
 from vllm_dp_operator.reconcile.routing import Router, while_not_ready
 from vllm_dp_operator.reconcile.status import (
     PodAsks,
     cluster_readiness,
+    condition_status,
     explain_pending,
     explain_refused,
     waits_for_secret,
 )
 from vllm_dp_operator.reconcile.update import Mode
 from vllm_dp_operator.render import build_raycluster, build_service
+from vllm_dp_operator.render.headjob import job_hash
 from vllm_dp_operator.render.meta import owner_reference
 from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
+from vllm_dp_operator.render.raycluster import cluster_hash
 from vllm_dp_operator.render.raytoken import build_ray_token_secret
 from vllm_dp_operator.render.scheduling import kueue_queue
 
@@ -272,23 +276,16 @@ async def reconcile(
 
     plan = build_plan(spec)
     owner = owner_reference(res.name, res.uid)
-    desired = build_raycluster(res.name, res.namespace, spec, plan, cfg.render, owner)
     ns = res.namespace
     engine, head_job = c.COMPONENT_ENGINE, c.COMPONENT_HEAD_JOB
     clusters = _ours(await kube.list(RAYCLUSTER, ns, names.instance_selector(res.name, engine)),
                      res.uid)  # fmt: skip
     jobs = _ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
-    step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st)
-    clusters, jobs = await surge.apply_step(kube, ns, step, clusters, jobs, st)
-    cluster_name = step.cluster
-    if cluster_name != desired["metadata"]["name"]:
-        # The same shape under another name: the serving cluster, or a Surge's second one.
-        desired["metadata"]["name"] = cluster_name
     st.doc.update(
         layout=_layout(plan),
-        rayCluster=cluster_name,
         endpoint=None if spec.suspend else names.endpoint(res.name, ns, spec.service.port),
+        selector=names.head_pods_selector(res.name),
     )
     # The policy goes first: the Ray pods are never up without it.
     await _ensure_network_policy(kube, res, spec, cfg, owner)
@@ -296,9 +293,146 @@ async def reconcile(
         await _withdraw_service(kube, res)
     else:
         await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
+
+    shape = cluster_hash(res.name, spec, plan, cfg.render)
+    before = replicaset.previous(res.status)
+    step = replicaset.decide(spec.replicas, _views(before, clusters, jobs))
+    if step.chosen or step.added:
+        st.event(c.EVENT_NORMAL, c.REASON_SCALED, _scaled(step, spec.replicas))
+    entries = []
+    for index in step.run:
+        member = dataclasses.replace(res, status=before.get(index, {}), replica=index)
+        mst = StatusDoc(member, now)
+        mine = [cl for cl in clusters if names.replica_of(cl) == index]
+        await _reconcile_member(member, kube, probes, ray_jobs, cfg, spec, plan, owner,
+                                mine, [j for j in jobs if names.replica_of(j) == index],
+                                mst)  # fmt: skip
+        mst.settle_engines()
+        st.merge(mst)
+        routed = await _routed(kube, ns, res.name, index)
+        updated = _updated(mst.doc, jobs, plan, mine, shape)
+        entries.append(replicaset.entry(index, mst.doc, routed, updated))
+    for index in step.leave:
+        left = await leaving.leave(
+            dataclasses.replace(res, status=before.get(index, {}), replica=index), kube,
+            probes, ray_jobs, cfg, spec, plan, owner,
+            [cl for cl in clusters if names.replica_of(cl) == index],
+            [j for j in jobs if names.replica_of(j) == index], st)  # fmt: skip
+        if left is not None:
+            entries.append(left)
+    _summarize(st, spec, entries)
+    return st.outcome()
+
+
+def _views(before: dict[int, dict[str, Any]], clusters: list[dict[str, Any]],
+           jobs: list[dict[str, Any]]) -> dict[int, replicaset.ReplicaView]:  # fmt: skip
+    """Every replica that exists: by its children, or by its status entry (it may not have
+    made a child yet, or be waiting for its backoff's end)."""
+    indices = {names.replica_of(o) for o in (*clusters, *jobs)
+               if not o["metadata"].get("deletionTimestamp")}  # fmt: skip
+    indices |= set(before)
+    views = {}
+    for index in sorted(i for i in indices if i >= 0):
+        prev = before.get(index, {})
+        views[index] = replicaset.ReplicaView(
+            index, bool(prev.get("routed") or (prev.get("phase") == c.PHASE_SERVING)),
+            int(prev.get("consecutiveFailures") or 0) > 0, prev.get("leaving"))  # fmt: skip
+    return views
+
+
+def _scaled(step: replicaset.SetStep, want: int) -> str:
+    parts = []
+    if step.added:
+        parts.append(f"adding replica(s) {', '.join(map(str, step.added))}")
+    if step.chosen:
+        parts.append(f"removing replica(s) {', '.join(map(str, step.chosen))} (unrouted "
+                     "first, then drained)")  # fmt: skip
+    return f"Scaling to {want} replica(s): {'; '.join(parts)}"
+
+
+async def _routed(kube: Kube, ns: str, name: str, index: int) -> bool:
+    """Whether the EndpointSlice routes to a head pod of this replica now: read from the
+    slice itself, which is what kube-proxy routes by."""
+    current = await kube.get(ENDPOINTSLICE, ns, names.endpoint_slice(name))
+    for endpoint in (current or {}).get("endpoints") or []:
+        ref = endpoint.get("targetRef") or {}
+        if not (endpoint.get("conditions") or {}).get("ready") or not ref.get("name"):
+            continue
+        pod = await kube.get(POD, ns, ref["name"])
+        if pod is not None and names.replica_of(pod) == index:
+            return True
+    return False
+
+
+def _updated(doc: dict[str, Any], jobs: list[dict[str, Any]], plan: Plan,
+             clusters: list[dict[str, Any]], shape: str) -> bool:  # fmt: skip
+    """Whether a replica runs what the spec asks for: no update under way, its cluster of the
+    shape the spec asks for, and its current head job, if any, running the spec's plan."""
+    if doc.get("update"):
+        return False
+    cluster = next((cl for cl in clusters if cl["metadata"]["name"] == doc.get("rayCluster")),
+                   None)  # fmt: skip
+    if cluster is None or _label(cluster, c.LABEL_CLUSTER_HASH) not in (None, shape):
+        return False
+    job = next((j for j in jobs if j["metadata"]["name"] == doc.get("headJob")), None)
+    return job is None or _label(job, c.LABEL_JOB_HASH) == job_hash(plan,
+                                                                   cluster["metadata"]["name"])
+
+
+def _summarize(st: StatusDoc, spec: VLLMDataParallelSpec, entries: list[dict[str, Any]]) -> None:
+    """The resource's status from its replicas': counts, Available and Degraded, and its
+    first replica's fields and conditions where a single-group resource had them."""
+    staying = [e for e in entries if not e.get("leaving")]
+    ready = sum(1 for e in staying if e.get("routed"))
+    st.doc.update(replicaStatuses=entries, replicas=len(entries), readyReplicas=ready,
+                  updatedReplicas=sum(1 for e in staying if e.get("updated")),
+                  ready=f"{ready}/{spec.replicas}")  # fmt: skip
+    available, degraded = replicaset.availability(spec.replicas, entries)
+    st.cond(c.COND_AVAILABLE, *available)
+    was = condition_status(st.prev.get("conditions") or [], c.COND_DEGRADED)
+    st.cond(c.COND_DEGRADED, *degraded)
+    if degraded[0] and was != "True" and len(staying) > 1:
+        st.event(c.EVENT_WARNING, c.REASON_REPLICA_DEGRADED, degraded[2])
+    first = replicaset.representative(entries)
+    if first is None:
+        for key in replicaset.MIRRORED:
+            st.doc[key] = None
+        for type_ in (c.COND_CLUSTER_READY, c.COND_HEAD_JOB_RUNNING, c.COND_READY):
+            st.cond(type_, False, c.REASON_SCALED_TO_ZERO, available[2])
+        message = available[2] if spec.replicas == 0 else "Replicas are leaving"
+        st.phase(c.PHASE_SCALED_TO_ZERO if spec.replicas == 0 else c.PHASE_PROVISIONING,
+                 message)  # fmt: skip
+        return
+    for key in replicaset.MIRRORED:
+        st.doc[key] = first.get(key)
+    for cond in first.get("conditions") or []:
+        if cond.get("type") in replicaset.MIRRORED_CONDITIONS:
+            ok = {"True": True, "False": False}.get(str(cond.get("status")))
+            st.cond(cond["type"], ok, cond.get("reason") or "", cond.get("message") or "")
+    message = first.get("message") or ""
+    if len(entries) > 1 or spec.replicas != 1:
+        message = f"{ready}/{spec.replicas} replicas serve; replica {first['index']}: {message}"
+    st.phase(first.get("phase") or c.PHASE_PROVISIONING, message)
+
+
+async def _reconcile_member(
+    res: Resource, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config,
+    spec: VLLMDataParallelSpec, plan: Plan, owner: dict[str, Any],
+    clusters: list[dict[str, Any]], jobs: list[dict[str, Any]], st: StatusDoc,
+) -> None:  # fmt: skip
+    """One replica: a single DP group's reconcile, as a resource was before replicas."""
+    ns = res.namespace
+    desired = build_raycluster(res.name, ns, spec, plan, cfg.render, owner, res.replica)
+    step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st)
+    clusters, jobs = await surge.apply_step(kube, ns, step, clusters, jobs, st)
+    cluster_name = step.cluster
+    if cluster_name != desired["metadata"]["name"]:
+        # The same shape under another name: the serving cluster, or a Surge's second one.
+        desired["metadata"]["name"] = cluster_name
+    st.doc.update(rayCluster=cluster_name)
     if step.mode is Mode.HOLD:
         await surge.hold(kube, res, spec, owner, step.cluster, clusters, jobs, probes, cfg, st)
-        return st.outcome()
+        return
     token_secret = None
     if spec.ray.auth == RayAuth.TOKEN:
         token = cfg.ray_tokens.token(ns, res.name)
@@ -317,7 +451,7 @@ async def reconcile(
         head_pod = head_pod_of(_ours(await kube.list(POD, ns,
                                                      names.head_pod_selector(cluster_name)),
                                      cluster_uid))  # fmt: skip
-    router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner)
+    router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner, res.replica)
     shadow = None
     if step.mode is Mode.CANDIDATE and step.record is not None:
         # The old generation keeps its route; the new one's flow routes into a shadow.
@@ -344,7 +478,6 @@ async def reconcile(
                                     cfg, plan, res.status.get("servedJob"),
                                     res.status.get("servedHeadPod"),
                                     spec.update.drain_seconds)  # fmt: skip
-    return st.outcome()
 
 
 async def _converge_cluster(

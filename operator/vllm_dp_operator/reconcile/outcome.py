@@ -21,6 +21,9 @@ class Resource:
     generation: int
     spec: Mapping[str, Any]
     status: Mapping[str, Any]
+    #: The replica one member reconcile works on (its status is that replica's entry);
+    #: children are named after it (api/names.py).
+    replica: int = 0
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Resource:
@@ -116,10 +119,21 @@ class StatusDoc:
             # Normal: what went wrong has its own Warning (HeadJobFailed, InvalidSpec, ...).
             self.event(c.EVENT_NORMAL, c.REASON_PHASE_CHANGED,
                        f"{old or 'New'} -> {new}: {self.doc.get('message') or ''}".rstrip(": "))
+        self.settle_engines()
+        return Outcome(self.doc, self.events, self.retry_after)
+
+    def settle_engines(self) -> None:
+        """EnginesReporting says Unknown unless Serving: engines report load only then."""
+        new = self.doc.get("phase")
         conds = self.doc["conditions"]
         if new != c.PHASE_SERVING and condition_status(conds, c.COND_ENGINES_REPORTING) not in (
             None, "Unknown"
         ):  # fmt: skip
             self.cond(c.COND_ENGINES_REPORTING, None, c.REASON_NOT_SERVING,
                       f"Engines report load only while Serving; the phase is {new}")
-        return Outcome(self.doc, self.events, self.retry_after)
+
+    def merge(self, member: StatusDoc) -> None:
+        """Take on a member reconcile's events and time-based steps (a replica's)."""
+        self.events.extend(member.events)
+        if member.retry_after is not None:
+            self.recheck(member.retry_after)

@@ -16,7 +16,7 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.controller.cache import controller_uid
-from vllm_dp_operator.controller.kube import ENDPOINTS, ENDPOINTSLICE, AlreadyExists, Kube
+from vllm_dp_operator.controller.kube import ENDPOINTS, ENDPOINTSLICE, POD, AlreadyExists, Kube
 from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.reconcile.status import pod_ready
 from vllm_dp_operator.render import build_endpoint_slice
@@ -27,10 +27,12 @@ MIRRORING_MANAGER = "endpointslicemirroring-controller.k8s.io"
 
 
 def _slice_ready_for(current: Obj | None, pod_uid: str) -> bool:
-    """Whether the slice routes to this pod now."""
+    """Whether the slice routes to this pod now: its `serving`, which is `ready` except while
+    its replica leaves (then ready is false and serving keeps the routing decision)."""
     for endpoint in (current or {}).get("endpoints") or []:
         if (endpoint.get("targetRef") or {}).get("uid") == pod_uid:
-            return bool((endpoint.get("conditions") or {}).get("ready"))
+            conditions = endpoint.get("conditions") or {}
+            return bool(conditions.get("serving", conditions.get("ready")))
     return False
 
 
@@ -73,33 +75,59 @@ def _labels_drift(current: Obj, desired: Obj) -> bool:
     return any(have.get(k) != v for k, v in desired["metadata"]["labels"].items())
 
 
+async def _others(kube: Kube, ns: str, current: Obj | None, replica: int,
+                  mine: Obj | None) -> list[Obj]:  # fmt: skip
+    """The other replicas' endpoints in the slice, as they stand. An endpoint whose pod is
+    gone goes (whichever replica writes): its engines went with it."""
+    kept = []
+    for endpoint in (current or {}).get("endpoints") or []:
+        ref = endpoint.get("targetRef") or {}
+        if mine is not None and ref.get("uid") == mine["metadata"].get("uid"):
+            continue  # this replica's own head pod, written anew
+        pod = await kube.get(POD, ns, ref.get("name") or "") if ref.get("name") else None
+        if pod is None or pod["metadata"].get("uid") != ref.get("uid"):
+            continue
+        if names.replica_of(pod) != replica:
+            kept.append(endpoint)
+    return kept
+
+
 class Router:
-    """Keeps one resource's EndpointSlice in line with the routing decision."""
+    """Keeps one replica's endpoint in the resource's EndpointSlice in line with its routing
+    decision; the other replicas' endpoints stay as they are."""
 
     def __init__(
         self, kube: Kube, name: str, namespace: str, uid: str, spec: VLLMDataParallelSpec,
-        head_pod: Obj | None, owner: Obj,
+        head_pod: Obj | None, owner: Obj, replica: int = 0, leaving: bool = False,
     ) -> None:  # fmt: skip
         self.kube, self.name, self.ns, self.uid = kube, name, namespace, uid
         self.spec, self.head_pod, self.owner = spec, head_pod, owner
+        self.replica, self.leaving = replica, leaving
+        #: Whether the last write left this replica's endpoint ready (None: nothing written).
+        self.ready: bool | None = None
 
     async def route(self, routed: bool | None) -> bool:
         """Write the slice for this decision (None: keep the current one); return ready."""
         slice_name = names.endpoint_slice(self.name)
         current = await self.kube.get(ENDPOINTSLICE, self.ns, slice_name)
         ready = route_ready(routed, self.head_pod, current)
+        self.ready = ready and not self.leaving
+        others = await _others(self.kube, self.ns, current, self.replica, self.head_pod)
         desired = build_endpoint_slice(self.name, self.ns, self.spec, self.head_pod, ready,
-                                       self.owner)  # fmt: skip
+                                       self.owner, others, self.leaving)  # fmt: skip
+        ready = self.ready
         await self._drop_foreign()
         if current is None:
             with contextlib.suppress(AlreadyExists):  # an interrupted reconcile made it
                 await self.kube.create(ENDPOINTSLICE, self.ns, desired)
             return ready
         if controller_uid(current) not in (None, self.uid):
+            self.ready = False
             return False  # a deleted namesake's, until the garbage collector takes it
         if current.get("addressType") != desired["addressType"] and desired["endpoints"]:
             # addressType is immutable: a new slice, on the next reconcile (the delete wakes it).
             await self.kube.delete(ENDPOINTSLICE, self.ns, slice_name)
+            self.ready = False
             return False
         if _shape(current) != _shape(desired) or _labels_drift(current, desired):
             meta = desired["metadata"]

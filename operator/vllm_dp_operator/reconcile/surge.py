@@ -90,9 +90,20 @@ async def keep_serving(
     return await router.route(served_route(res, spec, cluster, clusters, jobs, probes, cfg, st))
 
 
+def served_target(res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
+                  draining: bool = False) -> Target:  # fmt: skip
+    """The serving generation's probe target: the same as the flow's while it served
+    (engines/headjobs.py), so its answers so far count on with no fresh start; `draining`, a
+    fresh one for a replica that leaves (its first /metrics read comes after the unroute)."""
+    obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
+    return Target(res.namespace, res.name, names.head_service(cluster),
+                  _api_port(obj, spec.service.port), str(res.status.get("servedJob") or ""),
+                  None, spec.api_key_secret_ref is not None, res.replica, draining)  # fmt: skip
+
+
 def served_route(
     res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
-    jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
+    jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc, draining: bool = False,
 ) -> bool | None:  # fmt: skip
     """The serving generation's route, decided on evidence only: False once its head job ended
     or its head pod is gone or not Ready, or its /health failed in a row past the threshold
@@ -104,12 +115,7 @@ def served_route(
     decision = while_not_ready(live)
     if decision is not None or not served or cfg.health_probe == PROBES_OFF:
         return decision
-    obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
-    # The same target as the flow's while it served (engines/headjobs.py): its answers so far
-    # count on, with no fresh start.
-    health = probes.health(Target(res.namespace, res.name, names.head_service(cluster),
-                                  _api_port(obj, spec.service.port), served, None,
-                                  spec.api_key_secret_ref is not None))  # fmt: skip
+    health = probes.health(served_target(res, spec, cluster, clusters, draining))
     if health.ok:
         return True
     return False if probed_gone(health, cfg, st.now) else None
@@ -201,7 +207,8 @@ def decide_step(
     engines = names.content_hash(plan.launch_spec())
     want = Wanted(
         strategy=strategy, shape=shape, cluster=rendered,
-        surge_cluster=names.raycluster(res.name, names.content_hash([shape, engines])),
+        surge_cluster=names.raycluster(res.name, names.content_hash([shape, engines]),
+                                       res.replica),
         job_hash=lambda cluster: job_hash(plan, cluster),
         deadline_seconds=spec.launch.timeout_seconds, drain_seconds=spec.update.drain_seconds,
     )  # fmt: skip
@@ -248,7 +255,8 @@ async def router_of(
 ) -> Router:
     """A router for one generation's head pod (the one that serves during a Surge)."""
     pods = await kube.list(POD, res.namespace, names.head_pod_selector(cluster))
-    return Router(kube, res.name, res.namespace, res.uid, spec, head_pod_of(pods), owner)
+    return Router(kube, res.name, res.namespace, res.uid, spec, head_pod_of(pods), owner,
+                  res.replica)
 
 
 def _api_port(cluster: Obj | None, default: int) -> int:

@@ -63,6 +63,7 @@ def build_head_job(
     attempt: int,
     owner: dict[str, Any] | None,
     head_pod_uid: str | None = None,
+    replica: int = 0,
 ) -> dict[str, Any]:
     """A RayJob that submits the launcher to the named RayCluster through the dashboard API.
 
@@ -75,9 +76,10 @@ def build_head_job(
         constants.LABEL_JOB_HASH: job_hash(plan, cluster_name),
         constants.LABEL_ATTEMPT: str(attempt),
         constants.LABEL_CLUSTER: cluster_name,
+        **names.replica_labels(replica),
     }
     annotations = {constants.ANNOTATION_HEAD_POD_UID: head_pod_uid} if head_pod_uid else None
-    name = names.head_job(instance, attempt)
+    name = names.head_job(instance, attempt, replica)
     return {
         "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
         "kind": "RayJob",

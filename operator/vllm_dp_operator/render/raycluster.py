@@ -242,6 +242,14 @@ def _with_probes(body: dict[str, Any]) -> None:
         group["template"]["spec"]["containers"][0].update(_worker_probes())
 
 
+def _with_replica(body: dict[str, Any], replica: int) -> None:
+    # After the hash too: every replica has the same shape (the name tells them apart), and
+    # replica 0's clusters made before replicas keep their names.
+    for template in (body["headGroupSpec"]["template"],
+                     *(g["template"] for g in body.get("workerGroupSpecs", []))):  # fmt: skip
+        template["metadata"]["labels"].update(names.replica_labels(replica))
+
+
 def _shape(body: dict[str, Any], queue_labels: dict[str, str]) -> str:
     # The queue labels are read when the cluster is admitted or its pods made: another queue
     # means another cluster. Without any the hash is what it always was (no cluster renamed).
@@ -263,8 +271,9 @@ def build_raycluster(
     plan: Plan,
     options: RenderOptions,
     owner: dict[str, Any] | None,
+    replica: int = 0,
 ) -> dict[str, Any]:
-    """The RayCluster manifest for a plan; its name carries the shape hash."""
+    """One replica's RayCluster manifest for a plan; its name carries the shape hash."""
     body = _cluster_spec(instance, spec, plan, options)
     queue_labels = scheduling_labels(spec.scheduling)
     shape = _shape(body, queue_labels)
@@ -272,15 +281,18 @@ def build_raycluster(
         **queue_labels,
         **names.instance_labels(instance, constants.COMPONENT_ENGINE),
         constants.LABEL_CLUSTER_HASH: shape,
+        **names.replica_labels(replica),
     }
     # Suspending keeps the shape: it stops the pods without creating a new cluster. In a
     # Kueue queue it is made suspended, as Kueue's webhook would make it, and Kueue alone
     # unsuspends it (the operator never writes the field after that: reconcile/converge.py).
     body["suspend"] = True if kueue_queue(spec) else spec.suspend
     _with_probes(body)
+    _with_replica(body, replica)
     return {
         "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
         "kind": "RayCluster",
-        "metadata": metadata(names.raycluster(instance, shape), namespace, labels, owner),
+        "metadata": metadata(names.raycluster(instance, shape, replica), namespace, labels,
+                             owner),
         "spec": body,
     }
