@@ -287,3 +287,16 @@ async def test_a_status_patch_refused_with_422_is_said_once_and_not_retried(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_report_gate_cancelled_as_it_opens_is_still_cancelled(bed: Bed) -> None:
+    """stop() cancels the status writers and Event posters; one cancelled in the very turn
+    its gate opens (Python 3.11's wait_for then returns as if nothing happened) must still
+    end, or stop() waits on it for ever."""
+    bed.ctl._no_new.clear()
+    gate = asyncio.create_task(bed.ctl._quiet(5))
+    await asyncio.sleep(0.01)
+    bed.ctl._no_new.set()
+    gate.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gate

@@ -239,6 +239,12 @@ class Controller:
         # creating children first, and reporting trickles on meanwhile.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._no_new.wait(), timeout=most)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Python 3.11's wait_for swallows a cancellation that arrives as the wait ends: a
+            # poster or writer cancelled by stop() would wait on its queue for ever.
+            raise asyncio.CancelledError
+
 
     def _settled(self, key: Key) -> None:
         self._new.discard(key)
