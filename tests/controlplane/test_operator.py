@@ -81,10 +81,10 @@ def test_example_becomes_cluster_pods_head_job_and_service(
     conds = {c["type"]: c["status"] for c in st["conditions"]}
     assert conds["SpecValid"] == "True" and conds["ClusterReady"] == "True"
     [row] = kubectl_table(testbed.kubectl("-n", ns, "get", "vdp", name).stdout)
-    assert list(row) == ["NAME", "DP", "TP", "PODS", "PHASE", "UPDATE", "LOAD", "ENDPOINT",
-                         "AGE"]  # fmt: skip
-    assert [row[k] for k in ("DP", "TP", "PODS", "PHASE", "UPDATE")] == ["8", "1", "2",
-                                                                        "Launching", ""]
+    assert list(row) == ["NAME", "DP", "TP", "PODS", "READY", "PHASE", "UPDATE", "LOAD",
+                         "ENDPOINT", "AGE"]  # fmt: skip
+    assert [row[k] for k in ("DP", "TP", "PODS", "READY", "PHASE", "UPDATE")] == [
+        "8", "1", "2", "0/1", "Launching", ""]  # fmt: skip
 
 
 def test_too_many_gpus_stays_pending_with_actionable_status(

@@ -3,6 +3,7 @@ RayCluster per replica, scale-down and zero, and the API server's own rule on th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,9 +60,9 @@ def test_scale_a_suspended_resource_then_resume_down_and_to_zero(
     jobs = sorted(j["metadata"]["name"] for j in items(testbed, ns, "rayjobs"))
     assert jobs == [f"{name}-j00001", f"{name}-r01001", f"{name}-r02001"]
     # The /scale subresource reads back what the status says.
-    scale = testbed.kubectl_json("-n", ns, "get", "--raw",
-                                 f"/apis/vllmdp.io/v1alpha1/namespaces/{ns}/"
-                                 f"vllmdataparallels/{name}/scale")  # fmt: skip
+    scale = json.loads(testbed.kubectl("get", "--raw",
+                                       f"/apis/vllmdp.io/v1alpha1/namespaces/{ns}/"
+                                       f"vllmdataparallels/{name}/scale").stdout)  # fmt: skip
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
     assert scale["status"]["selector"] == st["selector"]
     table = testbed.kubectl("-n", ns, "get", "vdp", name).stdout

@@ -11,7 +11,8 @@ from vllm_dp_operator.api.crd import build_crd
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, SERVICE
 from vllm_dp_operator.reconcile import replicaset
-from vllm_dp_operator.reconcile.replicaset import ReplicaView, decide
+from vllm_dp_operator.reconcile.replicaset import ReplicaView, decide, rollout
+from vllm_dp_operator.reconcile.update import HOLD_FOR_TURN
 from world import World, serving, spec
 
 
@@ -254,3 +255,85 @@ async def test_scaling_back_up_while_one_leaves_adds_a_fresh_replica() -> None:
     indices = [(e["index"], bool(e.get("leaving"))) for e in w.status["replicaStatuses"]]
     assert indices == [(0, False), (2, False), (1, True)]
     assert any(cl["metadata"]["name"].endswith("-r2") for cl in w.clusters())
+
+
+def test_rollout_recreates_at_most_max_unavailable_and_counts_what_is_down() -> None:
+    def turns(*routed: bool) -> list[replicaset.Turn]:
+        return [replicaset.Turn(i, True, r) for i, r in enumerate(routed)]
+
+    assert rollout(3, turns(True, True, True), 1, 0) == {0: "Recreate", 1: HOLD_FOR_TURN,
+                                                        2: HOLD_FOR_TURN}  # fmt: skip
+    # Replica 1 is down anyway: it updates, and no serving one goes down beside it.
+    assert rollout(3, turns(True, False, True), 1, 0) == {0: HOLD_FOR_TURN, 1: "Recreate",
+                                                         2: HOLD_FOR_TURN}  # fmt: skip
+    assert rollout(3, turns(True, True, True), 0, 1) == {0: "Surge", 1: HOLD_FOR_TURN,
+                                                        2: HOLD_FOR_TURN}  # fmt: skip
+    # An updated replica that does not come up stops the rollout: the rest hold and serve.
+    done = replicaset.Turn(0, False, False)
+    assert rollout(3, [done, *turns(True, True, True)[1:]], 1, 0) == {1: HOLD_FOR_TURN,
+                                                                     2: HOLD_FOR_TURN}
+
+
+def test_rolling_update_needs_a_surge_or_an_unavailable_replica() -> None:
+    with pytest.raises(SpecError, match=r"update\.maxUnavailable"):
+        validate("demo", spec(update={"strategy": "RollingUpdate", "maxUnavailable": 0}))
+    assert validate("demo", spec(update={"strategy": "RollingUpdate"})).update.max_unavailable == 1
+
+
+async def _n_serving(n: int, **over: Any) -> World:
+    w = World(spec(replicas=n, **over))
+    await w.step()
+    w.cluster_ready()
+    await w.step()
+    for job in w.job_names():
+        w.run(job)
+    w.probe.ok = True
+    await w.step()
+    assert w.status["readyReplicas"] == n
+    return w
+
+
+async def test_a_rolling_engine_change_takes_one_replica_at_a_time() -> None:
+    rolling = {"strategy": "RollingUpdate", "maxUnavailable": 1, "maxSurge": 0}
+    w = await _n_serving(3, update=rolling)
+    w.update(spec(replicas=3, update=rolling, engineArgs=["--max-model-len", "4096"]))
+    await w.step()
+    # Replica 0 goes first: unrouted, its old head job stopping; 1 and 2 serve what they run.
+    assert _ready_endpoints(w) == sorted(
+        p["metadata"]["name"] for p in w.kube.named(POD)
+        if p["metadata"]["labels"][c.LABEL_REPLICA] != "0")  # fmt: skip
+    assert w.ray.stops == ["demo-j00001"]
+    held = w.status["replicaStatuses"][1]
+    assert held["phase"] == c.PHASE_SERVING and "its turn" in held["message"]
+    assert len(w.clusters()) == 3  # no extra group: an engine change reuses the pods
+    w.ray.jobs["demo-j00001"] = "STOPPED"
+    for _ in range(2):
+        await w.step(advance=1)
+    assert "demo-j00002" in w.job_names() and w.ray.stops == ["demo-j00001"]
+    w.run("demo-j00002")
+    await w.step(advance=1)  # replica 0 serves the new engines: replica 1's turn
+    await w.step(advance=1)
+    assert w.ray.stops == ["demo-j00001", "demo-r01001"]
+    assert w.status["readyReplicas"] == 2 and w.status["updatedReplicas"] == 1
+
+
+def test_replicas_prefer_other_nodes_and_zones_without_a_new_shape() -> None:
+    from vllm_dp_operator.config import RenderOptions
+    from vllm_dp_operator.plan import build_plan
+    from vllm_dp_operator.render import build_raycluster
+
+    model = validate("demo", spec())
+    plan = build_plan(model)
+    first = build_raycluster("demo", "ns", model, plan, RenderOptions(), None, 0)
+    second = build_raycluster("demo", "ns", model, plan, RenderOptions(), None, 1)
+    shape = first["metadata"]["labels"][c.LABEL_CLUSTER_HASH]
+    assert second["metadata"]["labels"][c.LABEL_CLUSTER_HASH] == shape
+    assert first["metadata"]["name"] == f"demo-{shape[:5]}"
+    assert second["metadata"]["name"] == f"demo-{shape[:5]}-r1"
+    for group in (second["spec"]["headGroupSpec"], *second["spec"]["workerGroupSpecs"]):
+        pod = group["template"]
+        assert pod["metadata"]["labels"][c.LABEL_REPLICA] == "1"
+        keys = [(t["topologyKey"], t["whenUnsatisfiable"])
+                for t in pod["spec"]["topologySpreadConstraints"]]
+        assert keys == [("kubernetes.io/hostname", "ScheduleAnyway"),
+                        ("topology.kubernetes.io/zone", "ScheduleAnyway")]

@@ -185,6 +185,9 @@ class UpdateStrategy(StrEnum):
 
     RECREATE = "Recreate"
     SURGE = "Surge"
+    #: Across replicas, as a Deployment rolls: a few replicas at a time (maxUnavailable by
+    #: Recreate, maxSurge by Surge), the others serving what they run meanwhile.
+    ROLLING_UPDATE = "RollingUpdate"
 
 
 class UpdateSpec(ApiModel):
@@ -199,7 +202,27 @@ class UpdateSpec(ApiModel):
         "and switch the API Service to it only once it answers /health and one completion; "
         "the old one then drains and is deleted. Surge holds a second cluster's GPUs for the "
         "duration, and on a full cluster the new one never schedules (its deadline then ends "
-        "the attempt and the old one keeps serving).",
+        "the attempt and the old one keeps serving). RollingUpdate: replica by replica, at "
+        "most maxUnavailable replicas unrouted for the update at a time and maxSurge replicas "
+        "updating by Surge beside their old group; the others keep serving what they run until "
+        "their turn. With maxSurge 0 no extra GPUs are held.",
+    )
+    max_unavailable: JsonInt = Field(
+        default=1,
+        ge=0,
+        le=constants.MAX_REPLICAS,
+        description="RollingUpdate: replicas that may be unrouted for the update at a time "
+        "(each updated by Recreate: its engines stop, then the new ones start on its GPUs). "
+        "The Service keeps at least replicas - maxUnavailable routed replicas, counting any "
+        "that are down for other reasons.",
+    )
+    max_surge: JsonInt = Field(
+        default=0,
+        ge=0,
+        le=constants.MAX_REPLICAS,
+        description="RollingUpdate: replicas that may update at a time by Surge (a second "
+        "group beside the serving one, switched once it serves), each holding a second "
+        "group's GPUs meanwhile.",
     )
     drain_seconds: JsonInt = Field(
         default=constants.DEFAULT_UPDATE_DRAIN_SECONDS,

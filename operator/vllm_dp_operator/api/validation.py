@@ -15,6 +15,7 @@ from vllm_dp_operator.api.models import (
     PackStrategy,
     Scheduler,
     SelectorOperator,
+    UpdateStrategy,
     VLLMDataParallelSpec,
 )
 from vllm_dp_operator.api.quantity import quantity_value
@@ -224,6 +225,15 @@ def _scheduler_in(*names: str) -> str:
 
 # Which scheduler reads which setting: KubeRay v1.6.2's plugins and Kueue (docs/scheduling.md).
 SCHEDULING_RULES: tuple[Rule, ...] = (
+    Rule(
+        field="update.maxUnavailable",
+        cel="self.update.strategy != 'RollingUpdate' || "
+        "self.update.maxUnavailable + self.update.maxSurge >= 1",
+        message="maxUnavailable and maxSurge may not both be 0 with strategy RollingUpdate: "
+        "no replica could ever update",
+        holds=lambda s: s.update.strategy != UpdateStrategy.ROLLING_UPDATE
+        or s.update.max_unavailable + s.update.max_surge >= 1,
+    ),
     Rule(
         field="scheduling.queueName",
         cel="!has(self.scheduling) || has(self.scheduling.queueName) || "

@@ -16,7 +16,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from vllm_dp_operator import constants as c
+from vllm_dp_operator.api.models import UpdateStrategy
 from vllm_dp_operator.reconcile.status import parse_rfc3339
+from vllm_dp_operator.reconcile.update import HOLD_FOR_TURN
 
 #: The keys of a replica's status entry (`api/models.ReplicaStatus`), besides `index`.
 ENTRY_KEYS = (
@@ -156,3 +158,47 @@ def availability(want: int, entries: Sequence[Mapping[str, Any]]
                       for e in troubled[:3])  # fmt: skip
     more = f"; and {len(troubled) - 3} more" if len(troubled) > 3 else ""
     return available, (True, c.REASON_REPLICA_DEGRADED, f"{count}: {named}{more}")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One running replica as a rolling update across replicas sees it."""
+
+    index: int
+    outdated: bool
+    routed: bool
+    #: A Surge of its own is under way (status.update of its entry).
+    surging: bool = False
+
+
+def rollout(want: int, turns: Sequence[Turn], max_unavailable: int, max_surge: int
+            ) -> dict[int, str]:  # fmt: skip
+    """The strategy each outdated replica updates by now (RollingUpdate across replicas), as a
+    Deployment rolls its ReplicaSets: Recreate for one that is down anyway and for at most
+    maxUnavailable serving ones, counting every replica that does not route now; Surge for
+    at most maxSurge, counting those already surging; the rest hold (update.HOLD_FOR_TURN)
+    and serve what they run. Lowest index first. Replicas that are up to date are left out.
+    A new replica that does not come up keeps counting as unavailable: the rollout stops
+    there, and the old replicas keep serving."""
+    turns = sorted(turns, key=lambda t: t.index)
+    unavailable = sum(1 for t in turns if not t.routed) + max(0, want - len(turns))
+    surging = sum(1 for t in turns if t.surging)
+    down_left = max(0, max_unavailable - unavailable)
+    surge_left = max(0, max_surge - surging)
+    out: dict[int, str] = {}
+    for t in turns:
+        if not t.outdated:
+            continue
+        if t.surging:
+            out[t.index] = UpdateStrategy.SURGE
+        elif not t.routed:
+            out[t.index] = UpdateStrategy.RECREATE
+        elif surge_left:
+            surge_left -= 1
+            out[t.index] = UpdateStrategy.SURGE
+        elif down_left:
+            down_left -= 1
+            out[t.index] = UpdateStrategy.RECREATE
+        else:
+            out[t.index] = HOLD_FOR_TURN
+    return out

@@ -197,13 +197,15 @@ def _last_seen(status: dict[str, Any]) -> str:
 
 def decide_step(
     res: Resource, spec: VLLMDataParallelSpec, plan: Plan, desired: Obj, clusters: list[Obj],
-    jobs: list[Obj], st: StatusDoc,
+    jobs: list[Obj], st: StatusDoc, turn: str | None = None,
 ) -> Decision:  # fmt: skip
-    """This reconcile's step (update.decide), its record and condition written to the status."""
+    """This reconcile's step (update.decide), its record and condition written to the status.
+    `turn`: the strategy a rolling update across replicas gives this replica now (Recreate,
+    Surge, or update.HOLD_FOR_TURN), in place of spec.update.strategy."""
     rendered = desired["metadata"]["name"]
     shape = desired["metadata"]["labels"][c.LABEL_CLUSTER_HASH]
     # Suspending stops the engines whatever the strategy: nothing to keep serving.
-    strategy = UpdateStrategy.RECREATE if spec.suspend else spec.update.strategy
+    strategy = UpdateStrategy.RECREATE if spec.suspend else (turn or spec.update.strategy)
     engines = names.content_hash(plan.launch_spec())
     want = Wanted(
         strategy=strategy, shape=shape, cluster=rendered,
@@ -223,7 +225,8 @@ def decide_step(
     for type_, reason, message in step.events:
         st.event(type_, reason, message)
     known = condition_status(st.doc["conditions"], c.COND_UPDATED) is not None
-    if step.updated is not None and (strategy == UpdateStrategy.SURGE or known):
+    rolling = spec.update.strategy == UpdateStrategy.ROLLING_UPDATE
+    if step.updated is not None and (strategy == UpdateStrategy.SURGE or rolling or known):
         st.cond(c.COND_UPDATED, *step.updated)
     if step.recheck is not None:
         st.recheck(step.recheck)
@@ -273,6 +276,7 @@ def _api_port(cluster: Obj | None, default: int) -> int:
 async def hold(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, owner: Obj, cluster: str,
     clusters: list[Obj], jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
+    turn: bool = False,
 ) -> None:  # fmt: skip
     """The serving generation serves on, untouched; nothing new starts (update.Mode.HOLD).
 
@@ -284,6 +288,7 @@ async def hold(
                                              st))  # fmt: skip
     record = st.doc.get("update")
     why = (f"the spec's change waits until {record['from']} has drained" if record
+           else "it waits for its turn in the rolling update across replicas" if turn
            else f"the update to job hash {st.doc.get('failedUpdate')} did not serve by its "
            "deadline (status.failedUpdate); a new spec change tries again")  # fmt: skip
     overlay_hold(st, cluster, served, routed, why)

@@ -27,6 +27,8 @@ from vllm_dp_operator.api.models import UpdateStrategy
 from vllm_dp_operator.reconcile.status import parse_rfc3339, rfc3339
 
 STARTING, DRAINING = "Starting", "Draining"
+#: The strategy a replica is given while a rolling update across replicas has not reached it.
+HOLD_FOR_TURN = "HoldForTurn"
 
 
 class Mode(StrEnum):
@@ -114,6 +116,11 @@ def decide(
             d.events.append(("Normal", "UpdateWithdrawn", f"Update to {record['to']} withdrawn:"
                              f" the spec asks again for what {serving.cluster} serves"))
         return d
+    if want.strategy == HOLD_FOR_TURN:
+        # A rolling update across replicas (replicaset.rollout): not this replica's turn yet.
+        return Decision(Mode.HOLD, serving.cluster, keep=frozenset({serving.cluster}),
+                        failed=failed, updated=(False, "UpdatePending", "Waits for its turn in "
+                        "the rolling update across replicas; serves what it runs meanwhile"))
     if want.strategy != UpdateStrategy.SURGE:
         # Recreate: the serving pods when the shape still fits (a new head job on them).
         target = serving.cluster if serving.shape == want.shape else want.cluster

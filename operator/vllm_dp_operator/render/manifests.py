@@ -62,35 +62,21 @@ def parse_resource(doc: Mapping[str, Any]) -> Resource:
 def render_resource(
     resource: Resource, options: RenderOptions, owner: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """NetworkPolicy (unless turned off), RayCluster, Service, its EndpointSlice (no endpoint
-    yet: the head pod's address is known only once it runs) and the first head job, in
-    creation order. A suspended resource has no Service, slice or head job."""
-    cluster = build_raycluster(
-        resource.name, resource.namespace, resource.spec, resource.plan, options, owner
-    )
-    cluster_name = cluster["metadata"]["name"]
+    """NetworkPolicy (unless turned off), each replica's RayCluster, Service, its EndpointSlice
+    (no endpoint yet: a head pod's address is known only once it runs) and each replica's first
+    head job, in creation order. A suspended resource has no Service, slice or head job."""
+    name, ns, spec, plan = resource.name, resource.namespace, resource.spec, resource.plan
+    clusters = [build_raycluster(name, ns, spec, plan, options, owner, r)
+                for r in range(spec.replicas)]  # fmt: skip
     out = []
-    if wanted(resource.spec, options.peers):
-        out.append(build_network_policy(resource.name, resource.namespace, resource.spec,
-                                        options.peers, owner))  # fmt: skip
-    out.append(cluster)
-    if not resource.spec.suspend:
-        out += [
-            build_service(resource.name, resource.namespace, resource.spec, owner),
-            build_endpoint_slice(resource.name, resource.namespace, resource.spec, None, False,
-                                 owner),
-        ]
-        out.append(
-            build_head_job(
-                resource.name,
-                resource.namespace,
-                resource.spec,
-                resource.plan,
-                cluster_name,
-                FIRST_ATTEMPT,
-                owner,
-            )
-        )
+    if wanted(spec, options.peers):
+        out.append(build_network_policy(name, ns, spec, options.peers, owner))
+    out += clusters
+    if not spec.suspend:
+        out += [build_service(name, ns, spec, owner),
+                build_endpoint_slice(name, ns, spec, None, False, owner)]  # fmt: skip
+        out += [build_head_job(name, ns, spec, plan, cluster["metadata"]["name"], FIRST_ATTEMPT,
+                               owner, replica=r) for r, cluster in enumerate(clusters)]  # fmt: skip
     return out
 
 

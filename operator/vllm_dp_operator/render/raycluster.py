@@ -242,12 +242,26 @@ def _with_probes(body: dict[str, Any]) -> None:
         group["template"]["spec"]["containers"][0].update(_worker_probes())
 
 
-def _with_replica(body: dict[str, Any], replica: int) -> None:
+#: Where replicas spread: across nodes, and across zones where the nodes carry one.
+SPREAD_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+
+
+def _spread(instance: str) -> list[dict[str, Any]]:
+    """Prefer nodes (and zones) with fewer of the resource's Ray pods, so a lost node takes
+    the fewest replicas. A preference only: a full cluster still schedules every pod."""
+    selector = {"matchLabels": {constants.LABEL_INSTANCE: instance,
+                                constants.LABEL_COMPONENT: constants.COMPONENT_ENGINE}}
+    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": selector} for key in SPREAD_KEYS]  # fmt: skip
+
+
+def _with_replica(body: dict[str, Any], instance: str, replica: int) -> None:
     # After the hash too: every replica has the same shape (the name tells them apart), and
     # replica 0's clusters made before replicas keep their names.
     for template in (body["headGroupSpec"]["template"],
                      *(g["template"] for g in body.get("workerGroupSpecs", []))):  # fmt: skip
         template["metadata"]["labels"].update(names.replica_labels(replica))
+        template["spec"].setdefault("topologySpreadConstraints", _spread(instance))
 
 
 def _shape(body: dict[str, Any], queue_labels: dict[str, str]) -> str:
@@ -288,7 +302,7 @@ def build_raycluster(
     # unsuspends it (the operator never writes the field after that: reconcile/converge.py).
     body["suspend"] = True if kueue_queue(spec) else spec.suspend
     _with_probes(body)
-    _with_replica(body, replica)
+    _with_replica(body, instance, replica)
     return {
         "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
         "kind": "RayCluster",
