@@ -139,10 +139,10 @@ cluster-down: ## Stop the real-node test bed and remove everything it made on th
 cluster-status: ## Which components of the real-node test bed are alive
 	$(TESTBED) cluster status
 
-dev: ## Real nodes + helm-installed operator + real vLLM (examples/dev-cpu.yaml) until Serving, as root; SIM=1: kwok nodes
+dev: ## Real nodes (NODES=4 for four) + helm-installed operator + real vLLM (examples/dev-cpu.yaml) until Serving, as root; SIM=1: kwok nodes
 	@$(HOSTREQS) ensure base build kwok $(if $(SIM),,cluster images)
 	@$(MAKE) --no-print-directory venv
-	$(BIN)/python hack/dev.py up $(if $(SIM),--sim) $(if $(EXAMPLE),--example $(EXAMPLE))
+	$(BIN)/python hack/dev.py up $(if $(SIM),--sim) $(if $(EXAMPLE),--example $(EXAMPLE)) $(if $(SIM),,$(if $(NODES),--nodes $(NODES)))
 
 dev-down: ## Stop what `make dev` (either mode) started
 	$(BIN)/python hack/dev.py down

@@ -72,13 +72,15 @@ def _wait(what: str, check: object, timeout: float, hint: str) -> object:
 
 
 # --- real nodes ------------------------------------------------------------------------------
-def up_real(example: Path, timeout: float) -> None:
-    """Real nodes, images, the chart, the example; wait for Serving and show how to call it."""
+def up_real(example: Path, timeout: float, nodes: int | None = None) -> None:
+    """Real nodes (`nodes` of them, the bed's default 2 when None: four let a user try
+    replicas and a Surge), images, the chart, the example; wait for Serving and show how to
+    call it."""
     if os.geteuid() != 0:
         sys.exit("make dev runs real kubelets and containerd: run it as root (or `make dev SIM=1`)")
     t0 = time.monotonic()
     _host_first(REAL_USES)
-    _testbed("cluster", "up")
+    _testbed("cluster", "up", *(["--nodes", str(nodes)] if nodes else []))
     _testbed("cluster", "load", *IMAGES)
     _testbed("cluster", "operator")
     doc = yaml.safe_load(example.read_text())
@@ -192,6 +194,7 @@ def main() -> None:
     p_up.add_argument("--example", type=Path, help="default: dev-cpu.yaml (real), "
                       "dp8-rpn4-tp1.yaml (--sim)")  # fmt: skip
     p_up.add_argument("--timeout", type=float, help="default: 900 s (real), 180 s (--sim)")
+    p_up.add_argument("--nodes", type=int, help="real nodes to start (default: the bed's 2)")
     sub.add_parser("down")
     args = parser.parse_args()
     if args.cmd == "down":
@@ -199,7 +202,7 @@ def main() -> None:
     elif args.sim:
         up_sim((args.example or SIM_EXAMPLE).resolve(), args.timeout or 180)
     else:
-        up_real((args.example or REAL_EXAMPLE).resolve(), args.timeout or 900)
+        up_real((args.example or REAL_EXAMPLE).resolve(), args.timeout or 900, args.nodes)
 
 
 if __name__ == "__main__":
