@@ -26,7 +26,8 @@ PORT = 8089
 
 def client_manifests(name: str, ns: str, image: str, url: str, model: str, rate: float,
                      api_key_secret: tuple[str, str] | None = None,
-                     node: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                     node: str | None = None,
+                     keep_alive: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """The ConfigMap with the script and the client's pod. The pod asks no CPU: the bed's
     nodes are promised to the Ray pods. The API key, if any, comes from its Secret as env."""
     labels = {"app.kubernetes.io/name": "traffic-client", "app.kubernetes.io/instance": name}
@@ -35,7 +36,8 @@ def client_manifests(name: str, ns: str, image: str, url: str, model: str, rate:
     container: dict[str, Any] = {
         "name": "client", "image": image, "imagePullPolicy": "Never",
         "command": ["python3", "/client/traffic_client.py", "--url", url, "--model", model,
-                    "--rate", str(rate), "--port", str(PORT)],
+                    "--rate", str(rate), "--port", str(PORT),
+                    *(["--keep-alive"] if keep_alive else [])],
         "env": env, "ports": [{"containerPort": PORT, "name": "counts"}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": PORT},
                            "periodSeconds": 1, "failureThreshold": 1},
@@ -84,6 +86,8 @@ class Traffic:
     rate: float = 10.0
     api_key_secret: tuple[str, str] | None = None
     start_timeout: float = 120
+    #: Kept-alive connections from a pool instead of a new connection per request.
+    keep_alive: bool = False
     result: dict[str, Any] = field(default_factory=dict)
     pod_ip: str = ""
 
@@ -101,7 +105,7 @@ class Traffic:
 
     def __enter__(self) -> Traffic:
         docs = client_manifests(self.name, self.ns, self.image, self.url, self.model, self.rate,
-                                self.api_key_secret)  # fmt: skip
+                                self.api_key_secret, keep_alive=self.keep_alive)  # fmt: skip
         self.cluster.kubectl("delete", "pod,configmap", self.name, "-n", self.ns,
                              "--ignore-not-found", "--wait=true", timeout=60)  # fmt: skip
         self.cluster.apply(docs)

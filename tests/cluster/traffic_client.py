@@ -5,8 +5,9 @@
 
 It POSTs /v1/completions (max_tokens 1) to --url at --rate requests a second, open loop
 (each started on schedule, whatever the earlier ones do), each on a new connection, so every
-request passes kube-proxy's choice of endpoint afresh (a kept-alive connection would stay on
-a pod the Service no longer routes to). $VLLMDP_API_KEY, when set, goes in
+request passes kube-proxy's choice of endpoint afresh; with --keep-alive, on connections kept
+in a pool instead, as most clients send (a kept-alive connection stays on a pod the Service no
+longer routes to: the case a drain must cover). $VLLMDP_API_KEY, when set, goes in
 `Authorization: Bearer`; it is never logged.
 
 What counts: every non-2xx answer and every connection error or timeout is a failure, kept with
@@ -29,6 +30,7 @@ import http.client
 import http.server
 import json
 import os
+import select
 import sys
 import threading
 import time
@@ -135,12 +137,55 @@ def send_one(url: str, body: bytes, headers: dict[str, str],
         conn.close()
 
 
+class Pool:
+    """Kept-alive connections, as a pooled client keeps them (urllib3, httpx, aiohttp): one is
+    taken per request and put back after a complete answer. One the server closed while idle
+    is replaced before use, as those clients do, so only a request that was sent and then
+    lost counts. kube-proxy keeps an established connection on its endpoint even after the
+    endpoint leaves the slice: this is the client that sees a route that went away."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.host, self.port, self.path = parts.hostname or "", parts.port or 80, parts.path
+        self.timeout = timeout
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _take(self) -> http.client.HTTPConnection:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                sock = conn.sock
+                if sock is not None and not select.select([sock], [], [], 0)[0]:
+                    return conn  # open, and nothing (no EOF) waiting on it
+                conn.close()
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def send(self, body: bytes, headers: dict[str, str]) -> tuple[int | None, str]:
+        """POST once on a kept connection: (status, detail); status None for no answer."""
+        conn = self._take()
+        try:
+            conn.request("POST", self.path or "/", body=body, headers=headers)
+            resp = conn.getresponse()
+            text = resp.read().decode(errors="replace")[:300]
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            return None, f"{type(e).__name__} (kept connection): {e}"
+        if resp.will_close:
+            conn.close()
+        else:
+            with self._lock:
+                self._idle.append(conn)
+        return resp.status, "" if 200 <= resp.status < 300 else text
+
+
 def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], timeout: float,
-                slots: threading.Semaphore) -> None:  # fmt: skip
+                slots: threading.Semaphore, pool: Pool | None = None) -> None:  # fmt: skip
     """Send one request, count it, print it if it failed, and free its slot."""
     try:
         sent = time.time()
-        status, detail = send_one(url, body, headers, timeout)
+        status, detail = (pool.send(body, headers) if pool is not None
+                          else send_one(url, body, headers, timeout))  # fmt: skip
         done = time.time()
         if tally.record(sent, done, status, detail) and (status is None or status >= 300) \
                 and tally.first_ok_at is not None:
@@ -151,7 +196,7 @@ def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], ti
 
 
 def pace(tally: Tally, url: str, body: bytes, headers: dict[str, str], rate: float,
-         timeout: float, in_flight: int) -> None:  # fmt: skip
+         timeout: float, in_flight: int, pool: Pool | None = None) -> None:  # fmt: skip
     """Start a request every 1/rate seconds, each on its own thread, whatever the earlier ones
     are doing (open loop): a slow failure (a timeout, a refused connection after SYN retries)
     holds one of `in_flight` slots and does not lower the rate, as it would for a client that
@@ -160,8 +205,8 @@ def pace(tally: Tally, url: str, body: bytes, headers: dict[str, str], rate: flo
     due = time.monotonic()
     while tally.stopped_at is None:
         slots.acquire()
-        threading.Thread(target=one_request, args=(tally, url, body, headers, timeout, slots),
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(target=one_request, args=(tally, url, body, headers, timeout, slots,
+                                                   pool), daemon=True).start()  # fmt: skip
         due += 1.0 / rate
         time.sleep(max(0.0, due - time.monotonic()))
         due = max(due, time.monotonic() - 1.0 / rate)  # behind (slots full): no burst after
@@ -201,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=int, default=64, help="most requests open at once")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per request")
     p.add_argument("--port", type=int, default=8089)
+    p.add_argument("--keep-alive", action="store_true",
+                   help="reuse connections from a pool instead of one per request")
     a = p.parse_args(argv)
     tally = Tally()
     serve(tally, a.port)
@@ -209,9 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         headers["Authorization"] = f"Bearer {key}"
     body = json.dumps({"model": a.model, "prompt": "hi", "max_tokens": 1}).encode()
     url = a.url.rstrip("/") + "/v1/completions"
+    pool = Pool(url, a.timeout) if a.keep_alive else None
     threading.Thread(target=pace, args=(tally, url, body, headers, a.rate, a.timeout,
-                                        a.in_flight), daemon=True).start()  # fmt: skip
-    print(f"sending to {url} at {a.rate}/s, at most {a.in_flight} open", flush=True)
+                                        a.in_flight, pool), daemon=True).start()  # fmt: skip
+    print(f"sending to {url} at {a.rate}/s, at most {a.in_flight} open"
+          + (", on kept-alive connections" if pool else ", a new connection each"), flush=True)
     while tally.stopped_at is None:
         time.sleep(0.2)
     print("stopped: " + json.dumps({k: v for k, v in tally.snapshot().items()

@@ -195,3 +195,37 @@ def test_a_timeout_answered_after_later_successes_stays_in_its_outage() -> None:
         t.record(1.6 + i * 0.1, 1.7 + i * 0.1, 200, "")
     outages = t.snapshot()["outages"]
     assert outages == [{"from": 1.0, "to": 1.7, "failed": 6}], outages
+
+
+def test_the_kept_alive_pool_reuses_a_connection_and_replaces_one_the_server_closed() -> None:
+    from traffic_client import Pool
+
+    peers: list[Any] = []
+
+    class KeepAlive(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            peers.append(self.client_address)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pool = Pool(f"http://127.0.0.1:{server.server_port}/v1/completions", 5.0)
+        for _ in range(3):
+            assert pool.send(b"{}", {"Content-Type": "application/json"}) == (200, "")
+        assert len(set(peers)) == 1  # one connection, kept
+        for conn in pool._idle:
+            conn.sock.shutdown(socket.SHUT_RDWR)  # as if the server closed it while idle
+        time.sleep(0.1)
+        assert pool.send(b"{}", {"Content-Type": "application/json"}) == (200, "")
+    finally:
+        server.shutdown()

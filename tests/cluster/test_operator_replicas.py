@@ -1,0 +1,148 @@
+"""Replicas on real nodes (issue 37), measured from the client's side.
+
+One resource on the engine double (DP=2 in one Ray pod per replica), shared by the scenarios
+in file order: scaled to two replicas with `kubectl scale`, one replica's head pod deleted
+under load, then scaled back to one under load. Two clients count every failure the whole
+time: one opens a new connection per request (kube-proxy picks an endpoint afresh each time),
+one keeps its connections alive in a pool (kube-proxy keeps an established connection on its
+endpoint after the endpoint leaves the slice). What the scenarios assert:
+
+- scale to 2: both replicas Serving, the slice holds two ready endpoints, each head pod
+  answers a completion directly, `status.ready` is `2/2`;
+- a head pod deleted: the other replica's endpoint stays ready throughout, the lost one is
+  unrouted, at most 2 failed requests per client (those in flight on the lost replica), and
+  the replica serves again;
+- scale to 1: the leaving replica is unrouted first, drained and deleted; 0 failed requests
+  on either client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .bed import RunningCluster
+from .test_operator_availability import slice_watch, unready_seen
+from .timeline import READY_BY_ADDRESS, ready_addresses
+from .traffic import Traffic
+from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
+
+pytestmark = pytest.mark.cluster
+
+IMAGE = "vllm-dp-engine-double"
+NAME = "reps"
+MODEL = "double"
+
+
+def resource(ns: str) -> dict[str, Any]:
+    spec = {"model": "cluster/double-model", "servedModelName": MODEL, "image": f"{IMAGE}:dev",
+            "dataParallel": {"size": 2, "ranksPerNode": 2}, "apiServerCount": 1,
+            "resources": {"memory": "1Gi"}, "shmSize": "64Mi",
+            "env": [{"name": "VLLMDP_DOUBLE_PLACE", "value": "1"}],
+            "launch": {"timeoutSeconds": 300, "drainSeconds": 3},
+            "update": {"strategy": "RollingUpdate", "drainSeconds": 10}}  # fmt: skip
+    return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+            "metadata": {"name": NAME, "namespace": ns}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def vdp(operator: RunningCluster) -> Iterator[Vdp]:
+    ns = "t-replicas"
+    own_namespace(operator, ns)
+    import_engine(operator, IMAGE)
+    operator.apply(resource(ns))
+    v = Vdp(operator, ns, NAME)
+    v.wait_phase("Serving", 300)
+    yield v
+    operator.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def heads(vdp: Vdp) -> dict[str, dict[str, Any]]:
+    """The running head pods by replica index."""
+    items = vdp.cluster.kubectl_json("get", "pods", "-n", vdp.ns,
+                                     "-l", "ray.io/node-type=head")["items"]  # fmt: skip
+    return {p["metadata"]["labels"].get("vllmdp.io/replica", "0"): p for p in items
+            if p["status"].get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+
+
+def clients(vdp: Vdp, scenario: str) -> tuple[Traffic, Traffic]:
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+    return (Traffic(vdp.cluster, vdp.ns, url, MODEL, f"{IMAGE}:dev", name=f"new-{scenario}"),
+            Traffic(vdp.cluster, vdp.ns, url, MODEL, f"{IMAGE}:dev", name=f"kept-{scenario}",
+                    keep_alive=True))  # fmt: skip
+
+
+def ready_replicas(vdp: Vdp, n: int) -> dict[str, Any] | None:
+    st = vdp.status()
+    return st if st.get("readyReplicas") == n and st.get("replicas") == n else None
+
+
+def test_scale_to_two_serves_from_both_replicas(vdp: Vdp) -> None:
+    vdp.cluster.kubectl("scale", "vdp", NAME, "-n", vdp.ns, "--replicas=2")
+    st = vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
+    assert st["phase"] == "Serving" and st["ready"] == "2/2"
+    by_replica = heads(vdp)
+    assert sorted(by_replica) == ["0", "1"]
+    ips = {p["status"]["podIP"] for p in by_replica.values()}
+    [eps] = [vdp.cluster.kubectl_json("get", "endpointslice", f"{NAME}-api", "-n", vdp.ns)]
+    assert {e["addresses"][0] for e in eps["endpoints"] if e["conditions"]["ready"]} == ips
+    for ip in ips:  # each replica answers on its own
+        answer = http(f"http://{ip}:{API_PORT}/v1/completions",
+                      {"model": MODEL, "prompt": "hi", "max_tokens": 1})  # fmt: skip
+        assert answer["choices"], answer
+
+
+def test_a_lost_head_pod_costs_only_its_replica(vdp: Vdp, report: dict[str, str]) -> None:
+    vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
+    lost = heads(vdp)["1"]
+    kept_ip = heads(vdp)["0"]["status"]["podIP"]
+    watch = slice_watch(vdp, READY_BY_ADDRESS)
+    new, kept = clients(vdp, "lost")
+    try:
+        with new, kept:
+            vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
+            vdp.cluster.kubectl("delete", "pod", lost["metadata"]["name"], "-n", vdp.ns,
+                                "--wait=false")  # fmt: skip
+            vdp.wait("the lost replica unrouted", lambda: any(
+                lost["status"]["podIP"] not in ready_addresses(s) for _, s in watch.seen), 60)
+            vdp.wait("both replicas routed again", lambda: ready_replicas(vdp, 2), 300)
+    finally:
+        watch.stop()
+    report["replicas: a head pod deleted (new connections)"] = new.summary()
+    report["replicas: a head pod deleted (kept-alive)"] = kept.summary()
+    assert not unready_seen(watch), watch.seen
+    assert all(kept_ip in ready_addresses(s) for _, s in watch.seen), watch.seen
+    for t in (new, kept):
+        assert t.result["failed"] <= 2, f"{t.summary()}\n{t.logs()}\n{vdp.diagnostics()}"
+
+
+def test_scale_to_one_under_load_fails_no_request(vdp: Vdp, report: dict[str, str]) -> None:
+    vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
+    watch = slice_watch(vdp)
+    new, kept = clients(vdp, "down")
+    try:
+        with new, kept:
+            vdp.cluster.kubectl("scale", "vdp", NAME, "-n", vdp.ns, "--replicas=1")
+            vdp.wait("one replica left", lambda: ready_replicas(vdp, 1)
+                     and len(vdp.live_clusters()) == 1, 300)  # fmt: skip
+    finally:
+        watch.stop()
+    report["replicas: scale 2 -> 1 (new connections)"] = new.summary()
+    report["replicas: scale 2 -> 1 (kept-alive)"] = kept.summary()
+    assert not unready_seen(watch), watch.seen
+    for t in (new, kept):
+        assert t.result["failed"] == 0, f"{t.summary()}\n{t.logs()}\n{vdp.diagnostics()}"
+
+
+@pytest.fixture(scope="module")
+def report(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """Each scenario's line, printed at the module's end (shown even without -s)."""
+    lines: dict[str, str] = {}
+    yield lines
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and lines:
+        reporter.write_line("")
+        reporter.write_line("\n".join(f"[availability] {k}: {v}" for k, v in lines.items()))
