@@ -211,9 +211,12 @@ def test_aggregated_roles_for_namespace_edit_and_view_users(
                 for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
 
     assert rules(editor) == ({("vllmdp.io", "vllmdataparallels", v) for v in EDITOR_VERBS}
-                             | {("vllmdp.io", "vllmdataparallels/status", "get")})
+                             | {("vllmdp.io", "vllmdataparallels/status", "get")}
+                             | {("vllmdp.io", "vllmdataparallels/scale", v)
+                                for v in ("get", "update", "patch")})  # fmt: skip
     assert rules(viewer) == {("vllmdp.io", r, v)
-                             for r in ("vllmdataparallels", "vllmdataparallels/status")
+                             for r in ("vllmdataparallels", "vllmdataparallels/status",
+                                       "vllmdataparallels/scale")
                              for v in ("get", "list", "watch")}  # fmt: skip
     # Offered to the built-in roles, bound by no one: the operator gets none of it.
     bound = {b["roleRef"]["name"] for b in objects if b["kind"].endswith("Binding")}
