@@ -212,6 +212,39 @@ def test_second_resource_queues_with_kueues_reason_and_is_admitted_when_the_firs
     print(f"second admitted {admitted:.1f}s after the first was deleted")
 
 
+def test_a_replica_beyond_the_quota_queues_alone_and_scaling_down_frees_it(
+    testbed: Any, operator: OperatorProcess, ns: str
+) -> None:
+    # Each replica's RayCluster is its own Workload: the quota holds one DP=8 group.
+    apply(testbed, ns, queued("scaled"))
+    wait_phase_explained(testbed, ns, "scaled", "Launching", operator)
+    testbed.kubectl("-n", ns, "scale", "vdp", "scaled", "--replicas=2")
+
+    def second_queued() -> dict[str, Any] | None:
+        st = status(testbed, ns, "scaled")
+        by_index = {e["index"]: e for e in st.get("replicaStatuses") or []}
+        first, second = by_index.get(0) or {}, by_index.get(1) or {}
+        ok = (second.get("phase") == "Queued" and first.get("phase") == "Launching"
+              and "insufficient unused quota for nvidia.com/gpu" in (second.get("message") or ""))
+        return st if ok else None
+
+    try:
+        st = testbed.wait_until("replica 1 Queued with Kueue's reason, replica 0 Launching",
+                                second_queued, timeout=90)  # fmt: skip
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{explain(testbed, ns, operator)}") from None
+    assert st["phase"] == "Launching", st  # the resource's own phase follows replica 0
+    degraded = {c["type"]: c for c in st["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and "replica 1" in degraded["message"], degraded
+    assert len(items(testbed, ns, "workloads.kueue.x-k8s.io")) == 2
+
+    testbed.kubectl("-n", ns, "scale", "vdp", "scaled", "--replicas=1")
+    testbed.wait_until("replica 1's RayCluster and its Workload gone", lambda: len([
+        c for c in items(testbed, ns, "rayclusters") if not c["metadata"].get("deletionTimestamp")
+    ]) == 1 and len(items(testbed, ns, "workloads.kueue.x-k8s.io")) == 1, timeout=90)
+    assert [e["index"] for e in status(testbed, ns, "scaled")["replicaStatuses"]] == [0]
+
+
 def test_higher_priority_preempts_without_a_failure_or_a_suspend_write(
     testbed: Any, operator: OperatorProcess, ns: str
 ) -> None:

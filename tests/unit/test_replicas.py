@@ -337,3 +337,15 @@ def test_replicas_prefer_other_nodes_and_zones_without_a_new_shape() -> None:
                 for t in pod["spec"]["topologySpreadConstraints"]]
         assert keys == [("kubernetes.io/hostname", "ScheduleAnyway"),
                         ("topology.kubernetes.io/zone", "ScheduleAnyway")]
+
+
+async def test_a_suspended_resource_scaled_down_makes_no_slice_and_waits_for_no_drain() -> None:
+    w = World(spec(replicas=2, suspend=True))
+    await w.step()
+    assert len(w.clusters()) == 2 and w.endpoint_slice() is None
+    w.update(spec(replicas=1, suspend=True, update={"drainSeconds": 600}))
+    await w.step()
+    assert w.endpoint_slice() is None
+    live = [cl["metadata"]["name"] for cl in w.clusters()
+            if not cl["metadata"].get("deletionTimestamp")]  # fmt: skip
+    assert len(live) == 1 and not live[0].endswith("-r1")

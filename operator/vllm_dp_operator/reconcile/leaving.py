@@ -52,9 +52,13 @@ async def leave(
     ns, prev, now = res.namespace, res.status, st.now
     mst = StatusDoc(res, now)
     live_clusters, live_jobs = _live(clusters), _live(jobs)
+    # A suspended resource has no slice (it went with the Service), and nothing to drain.
+    routes = not spec.suspend
     if not live_clusters and not live_jobs:
         # Gone: its endpoint goes from the slice (the pods may outlive the cluster a moment).
-        await Router(kube, res.name, ns, res.uid, spec, None, owner, res.replica).route(False)
+        if routes:
+            await Router(kube, res.name, ns, res.uid, spec, None, owner,
+                         res.replica).route(False)  # fmt: skip
         st.merge(mst)
         return None
     since = prev.get("leaving") or rfc3339(now)
@@ -66,17 +70,18 @@ async def leave(
         head_pod = head_pod_of(await kube.list(POD, ns, names.head_pod_selector(cluster)))
     router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner, res.replica,
                     leaving=True)  # fmt: skip
-    serving = bool(prev.get("routed")) or prev.get("phase") in (c.PHASE_SERVING,
-                                                                 c.PHASE_DRAINING)  # fmt: skip
     decision = (served_route(res, spec, cluster, clusters, jobs, probes, cfg, mst, True)
-                if cluster is not None else False)  # fmt: skip
-    await router.route(decision)
+                if cluster is not None and routes else False)  # fmt: skip
+    if routes:
+        await router.route(decision)
     if not prev.get("leaving"):
         st.event(c.EVENT_NORMAL, c.REASON_REPLICA_DRAINING,
                  f"Replica {res.replica} ({cluster or 'no RayCluster'}) leaves: unrouted, "
                  f"draining for at most {spec.update.drain_seconds}s")  # fmt: skip
     over, why = True, "it was not serving"
-    if serving and router.head_pod is not None and decision is not False:
+    # Drained while its endpoint still says serving (kept-alive connections may still use it):
+    # that is the routing decision, read back from the slice on each step.
+    if router.serving and router.head_pod is not None:
         target = served_target(res, spec, cluster or "", clusters, draining=True)
         over, why = replicaset.drain_over(since, spec.update.drain_seconds,
                                           _running(probes, target), now)  # fmt: skip
@@ -88,7 +93,8 @@ async def leave(
     waiting = await flow.retire_all(live_jobs, f"replica {res.replica} leaves ({why})")
     if waiting:
         return _entry(res, mst, st, since, f"Leaving: {'; '.join(waiting)}")
-    await Router(kube, res.name, ns, res.uid, spec, None, owner, res.replica).route(False)
+    if routes:
+        await Router(kube, res.name, ns, res.uid, spec, None, owner, res.replica).route(False)
     for name in names_live:
         await kube.delete(RAYCLUSTER, ns, name)
         st.event(c.EVENT_NORMAL, c.REASON_REPLICA_REMOVED,

@@ -103,15 +103,17 @@ class Router:
         self.kube, self.name, self.ns, self.uid = kube, name, namespace, uid
         self.spec, self.head_pod, self.owner = spec, head_pod, owner
         self.replica, self.leaving = replica, leaving
-        #: Whether the last write left this replica's endpoint ready (None: nothing written).
+        #: Whether the last write left this replica's endpoint ready (None: nothing written),
+        #: and serving (the routing decision; the same as ready unless the replica leaves).
         self.ready: bool | None = None
+        self.serving: bool | None = None
 
     async def route(self, routed: bool | None) -> bool:
         """Write the slice for this decision (None: keep the current one); return ready."""
         slice_name = names.endpoint_slice(self.name)
         current = await self.kube.get(ENDPOINTSLICE, self.ns, slice_name)
         ready = route_ready(routed, self.head_pod, current)
-        self.ready = ready and not self.leaving
+        self.serving, self.ready = ready, ready and not self.leaving
         others = await _others(self.kube, self.ns, current, self.replica, self.head_pod)
         desired = build_endpoint_slice(self.name, self.ns, self.spec, self.head_pod, ready,
                                        self.owner, others, self.leaving)  # fmt: skip
