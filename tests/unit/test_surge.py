@@ -140,6 +140,10 @@ async def test_the_serving_head_stays_probed_while_the_new_one_starts() -> None:
         await w.step(5)
     assert routed_to(w) is None, "failures in a row past the threshold: the hung head unrouted"
     assert w.status["update"]["phase"] == "Starting"
+    # Ready says what the slice says: nothing routes now, whatever the update's progress.
+    ready = {cond["type"]: cond for cond in w.status["conditions"]}[c.COND_READY]
+    assert (ready["status"], w.status["phase"]) == ("False", c.PHASE_LAUNCHING), ready
+    assert w.status["readyReplicas"] == 0
 
 
 async def test_a_new_generation_that_never_serves_is_deleted_and_not_retried() -> None:

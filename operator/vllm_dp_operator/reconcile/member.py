@@ -212,12 +212,12 @@ async def reconcile_replica(
                                                      names.head_pod_selector(cluster_name)),
                                      cluster_uid))  # fmt: skip
     router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner, res.replica)
-    shadow = None
+    shadow, old_routed = None, True
     if step.mode is Mode.CANDIDATE and step.record is not None:
         # The old generation keeps its route; the new one's flow routes into a shadow.
         old = await surge.router_of(kube, res, spec, owner, step.record["from"])
-        await surge.keep_serving(old, res, spec, step.record["from"], clusters, jobs, probes,
-                                 cfg, st)  # fmt: skip
+        old_routed = await surge.keep_serving(old, res, spec, step.record["from"], clusters,
+                                              jobs, probes, cfg, st)  # fmt: skip
         shadow = surge.Shadow()
     route = shadow.route if shadow is not None else router.route
     if (cluster is None or held) and not spec.suspend:
@@ -237,7 +237,7 @@ async def reconcile_replica(
                                     flow.target if flow else None, flow.said if flow else None,
                                     cfg, plan, res.status.get("servedJob"),
                                     res.status.get("servedHeadPod"),
-                                    spec.update.drain_seconds)  # fmt: skip
+                                    spec.update.drain_seconds, old_routed)  # fmt: skip
 
 
 async def _converge_cluster(

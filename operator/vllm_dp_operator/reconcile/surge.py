@@ -157,16 +157,24 @@ async def switch(
 
 
 def overlay_starting(st: StatusDoc, record: dict[str, Any], served_job: str | None,
-                     why: str, served_head: str | None = None) -> None:  # fmt: skip
+                     why: str, served_head: str | None = None,
+                     routed: bool = True) -> None:  # fmt: skip
     """While the new generation comes up, the resource still serves from the old one (and
-    the old one's head pod stays the one it served on: the new flow may have said otherwise)."""
+    the old one's head pod stays the one it served on: the new flow may have said otherwise),
+    as long as the slice still routes to it (`routed`); Ready says what the slice says."""
     new, old = record["to"], record["from"]
     detail = st.doc.get("message") or ""
     st.doc.update(rayCluster=old, headJob=served_job, servedJob=served_job,
                   servedHeadPod=served_head)  # fmt: skip
-    message = f"Serving from RayCluster {old}; {_updating_to(new)}{detail} ({why})"
-    st.cond(c.COND_READY, True, c.REASON_UPDATE_IN_PROGRESS, message)
-    st.phase(c.PHASE_SERVING, message)
+    if routed:
+        message = f"Serving from RayCluster {old}; {_updating_to(new)}{detail} ({why})"
+        st.cond(c.COND_READY, True, c.REASON_UPDATE_IN_PROGRESS, message)
+        st.phase(c.PHASE_SERVING, message)
+        return
+    message = (f"RayCluster {old} no longer serves (its head job or head pod is gone, or its "
+               f"engine stopped answering); {_updating_to(new)}{detail} ({why})")  # fmt: skip
+    st.cond(c.COND_READY, False, c.REASON_NOT_HEALTHY, message)
+    st.phase(c.PHASE_LAUNCHING, message)
 
 
 def overlay_hold(st: StatusDoc, cluster: str, served_job: str | None, routed: bool,
@@ -311,13 +319,13 @@ def launcher_answered(said: str | None, target: Target | None, cfg: Config) -> t
 async def after_candidate(
     st: StatusDoc, shadow: Shadow, router: Router, record: dict[str, Any],
     probes: EngineProbes, target: Target | None, said: str | None, cfg: Config, plan: Plan,
-    served: str | None, served_head: str | None, drain_seconds: int,
+    served: str | None, served_head: str | None, drain_seconds: int, old_routed: bool = True,
 ) -> None:  # fmt: skip
     """Switch to the new generation once it serves; else say that the old one still does.
     Serving: /health (or, probes off, the launcher's report of it), one completion through
     its own head Service, and where that cannot prove generation, the launcher's own."""
     if not shadow.asked:
-        overlay_starting(st, record, served, "not serving yet", served_head)
+        overlay_starting(st, record, served, "not serving yet", served_head, old_routed)
         return
     ok, why = True, "healthProbe.mode off: no completion from the operator"
     if cfg.health_probe != PROBES_OFF:
@@ -328,4 +336,4 @@ async def after_candidate(
         await switch(st, router, record, plan.model, plan.data_parallel_size, drain_seconds)
         return
     overlay_starting(st, record, served, f"/health answers; one completion: {why}",
-                     served_head)  # fmt: skip
+                     served_head, old_routed)  # fmt: skip
