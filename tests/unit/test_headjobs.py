@@ -275,3 +275,23 @@ async def test_a_backoff_status_holds_still_until_the_relaunch() -> None:
     before = w.status
     await w.step(advance=4)
     assert w.status == before
+
+
+async def test_a_replaced_head_pod_is_routed_only_on_an_answer_from_that_pod() -> None:
+    # KubeRay replaced the head pod; the same head job runs again on the new Ray head. A 200
+    # the dead pod gave must not route the new one before its own vLLM answers (issue 38,
+    # item 3): the probe is keyed by the head pod's uid, so the new pod starts unprobed.
+    w = await serving()
+    w.probe.fresh = True
+    await w.step(1)  # the pool holds the serving head's target
+    assert w.routed()
+    cluster = w.status["rayCluster"]
+    old = w.head_pod(cluster)
+    assert old is not None and w.routed()
+    del w.kube.objects[(POD, "default", old["metadata"]["name"])]
+    w.new_head_pod(cluster, index=1)
+    await w.step(1)
+    assert not w.routed(), "routed on the dead pod's last answer"
+    assert w.status["servedHeadPod"] == old["metadata"]["uid"]
+    await w.step(1)  # the new pod's own first answer
+    assert w.routed() and w.status["servedHeadPod"] != old["metadata"]["uid"]

@@ -51,9 +51,17 @@ class FakeProbe:
         #: What a one-token completion answers (a Surge's new generation is asked one).
         self.completes = True
         self.completion_calls: list[str] = []
+        #: Answer NOT_PROBED the first time a target is asked about, as the pool does for a
+        #: target it does not hold yet (a new head job, a new head pod).
+        self.fresh = False
+        self._seen: set[Target] = set()
 
     def health(self, target: Target) -> ProbeResult:
         self.calls.append(f"{target.service}:{target.port}")
+        if self.fresh and target not in self._seen:
+            # As the pool does: a target it has not held is registered and unprobed yet.
+            self._seen.add(target)
+            return NOT_PROBED
         if target.service in self.down:
             failures, since = self._down.get(target.service, (0, self._clock()))
             self._down[target.service] = (failures + 1, since)

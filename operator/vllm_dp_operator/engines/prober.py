@@ -66,6 +66,10 @@ class Target:
     replica: int = 0
     #: Its replica leaves: a target of its own, so the first reading comes after the unroute.
     draining: bool = False
+    #: The uid of the head pod it runs on: a replaced head pod (the same head job run again
+    #: by KubeRay on a new Ray head) is a new target, unprobed, never routed on the dead pod's
+    #: last answer.
+    head: str = ""
 
     @property
     def key(self) -> Key:

@@ -70,7 +70,8 @@ async def leave(
         head_pod = head_pod_of(await kube.list(POD, ns, names.head_pod_selector(cluster)))
     router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner, res.replica,
                     leaving=True)  # fmt: skip
-    decision = (served_route(res, spec, cluster, clusters, jobs, probes, cfg, mst, True)
+    decision = (served_route(res, spec, cluster, clusters, jobs, probes, cfg, mst, head_pod,
+                             draining=True)
                 if cluster is not None and routes else False)  # fmt: skip
     if routes:
         await router.route(decision)
@@ -82,7 +83,7 @@ async def leave(
     # Drained while its endpoint still says serving (kept-alive connections may still use it):
     # that is the routing decision, read back from the slice on each step.
     if router.serving and router.head_pod is not None:
-        target = served_target(res, spec, cluster or "", clusters, draining=True)
+        target = served_target(res, spec, cluster or "", clusters, head_pod, draining=True)
         over, why = replicaset.drain_over(since, spec.update.drain_seconds,
                                           _running(probes, target), now)  # fmt: skip
     if not over:

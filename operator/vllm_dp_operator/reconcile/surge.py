@@ -87,23 +87,27 @@ async def keep_serving(
     clusters: list[Obj], jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
 ) -> bool:  # fmt: skip
     """The old generation's route while a new one starts: see `served_route`."""
-    return await router.route(served_route(res, spec, cluster, clusters, jobs, probes, cfg, st))
+    return await router.route(served_route(res, spec, cluster, clusters, jobs, probes, cfg, st,
+                                           router.head_pod))  # fmt: skip
 
 
 def served_target(res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
-                  draining: bool = False) -> Target:  # fmt: skip
-    """The serving generation's probe target: the same as the flow's while it served
-    (engines/headjobs.py), so its answers so far count on with no fresh start; `draining`, a
-    fresh one for a replica that leaves (its first /metrics read comes after the unroute)."""
+                  head: Obj | None, draining: bool = False) -> Target:  # fmt: skip
+    """The serving generation's probe target on its head pod `head`: the same as the flow's
+    while it served (engines/headjobs.py), so its answers so far count on with no fresh start;
+    `draining`, a fresh one for a replica that leaves (its first /metrics read comes after
+    the unroute)."""
     obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
     return Target(res.namespace, res.name, names.head_service(cluster),
                   _api_port(obj, spec.service.port), str(res.status.get("servedJob") or ""),
-                  None, spec.api_key_secret_ref is not None, res.replica, draining)  # fmt: skip
+                  None, spec.api_key_secret_ref is not None, res.replica, draining,
+                  head=(head or {}).get("metadata", {}).get("uid") or "")  # fmt: skip
 
 
 def served_route(
     res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
-    jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc, draining: bool = False,
+    jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc, head: Obj | None,
+    draining: bool = False,
 ) -> bool | None:  # fmt: skip
     """The serving generation's route, decided on evidence only: False once its head job ended
     or its head pod is gone or not Ready, or its /health failed in a row past the threshold
@@ -115,7 +119,7 @@ def served_route(
     decision = while_not_ready(live)
     if decision is not None or not served or cfg.health_probe == PROBES_OFF:
         return decision
-    health = probes.health(served_target(res, spec, cluster, clusters, draining))
+    health = probes.health(served_target(res, spec, cluster, clusters, head, draining))
     if health.ok:
         return True
     return False if probed_gone(health, cfg, st.now) else None
@@ -293,7 +297,7 @@ async def hold(
     served = res.status.get("servedJob")
     router = await router_of(kube, res, spec, owner, cluster)
     routed = await router.route(served_route(res, spec, cluster, clusters, jobs, probes, cfg,
-                                             st))  # fmt: skip
+                                             st, router.head_pod))  # fmt: skip
     record = st.doc.get("update")
     why = (f"the spec's change waits until {record['from']} has drained" if record
            else "it waits for its turn in the rolling update across replicas" if turn
