@@ -220,6 +220,11 @@ class Config:
     #: dead engine ends its head job, which stops routing at once without any probe.
     unroute_after_failures: int = 3
     unroute_after_seconds: float = 90.0
+    #: VLLMDP_RELAUNCH_HUNG_AFTER_SECONDS: a head job that served and whose probes have failed
+    #: in a row (past the unroute threshold) for this long is taken as hung: stopped and
+    #: relaunched, counted as a failure, so its GPUs do not stay held by an engine that no
+    #: longer serves. 0: never (it stays unrouted until its head job ends).
+    relaunch_hung_after_seconds: float = 300.0
     #: VLLMDP_WORKERS: resources reconciled at once (each resource by one worker at a time).
     workers: int = 16
     #: VLLMDP_PROBE_CONCURRENCY: most engines probed at once, in the probe pool (never in a
@@ -286,6 +291,7 @@ class Config:
             probe_metrics_seconds=_env_float("VLLMDP_PROBE_METRICS_SECONDS", 60.0),
             unroute_after_failures=_env_int("VLLMDP_UNROUTE_AFTER_FAILURES", 3),
             unroute_after_seconds=_env_float("VLLMDP_UNROUTE_AFTER_SECONDS", 90.0),
+            relaunch_hung_after_seconds=_env_float("VLLMDP_RELAUNCH_HUNG_AFTER_SECONDS", 300.0),
             workers=_env_int("VLLMDP_WORKERS", 16),
             probe_concurrency=_env_int("VLLMDP_PROBE_CONCURRENCY", 32),
             proxy_qps=_env_float("VLLMDP_PROXY_QPS", 20.0),

@@ -176,6 +176,8 @@ REASON_JOB_RUNNING: Final = "HeadJobRunning"
 REASON_JOB_PENDING: Final = "HeadJobPending"
 REASON_JOB_FAILED: Final = "HeadJobFailed"
 REASON_JOB_TIMED_OUT: Final = "LaunchTimedOut"
+#: A head job that served stopped answering its probes for good: stopped and relaunched.
+REASON_JOB_HUNG: Final = "HeadJobHung"
 REASON_JOB_STOPPING: Final = "HeadJobStopping"
 REASON_JOB_STOPPED: Final = "HeadJobStopped"
 REASON_JOB_STOP_UNCONFIRMED: Final = "HeadJobStopUnconfirmed"

@@ -21,6 +21,7 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_PROBE_METRICS_SECONDS",
              "VLLMDP_PROBE_CONCURRENCY", "VLLMDP_PROXY_QPS",
              "VLLMDP_UNROUTE_AFTER_FAILURES", "VLLMDP_UNROUTE_AFTER_SECONDS",
+             "VLLMDP_RELAUNCH_HUNG_AFTER_SECONDS",
              "VLLMDP_CLUSTER_DOMAIN", "VLLMDP_STOP_CONFIRM_SECONDS", "VLLMDP_RESYNC_SECONDS",
              "VLLMDP_WORKERS",
              "VLLMDP_BACKOFF_BASE_SECONDS", "VLLMDP_BACKOFF_CAP_SECONDS", "VLLMDP_WATCH_NAMESPACES",
@@ -226,6 +227,8 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert float(env["VLLMDP_PROXY_QPS"]) == defaults.proxy_qps
     assert int(env["VLLMDP_UNROUTE_AFTER_FAILURES"]) == defaults.unroute_after_failures
     assert float(env["VLLMDP_UNROUTE_AFTER_SECONDS"]) == defaults.unroute_after_seconds
+    assert float(env["VLLMDP_RELAUNCH_HUNG_AFTER_SECONDS"]) == \
+        defaults.relaunch_hung_after_seconds  # fmt: skip
     assert float(env["VLLMDP_BACKOFF_BASE_SECONDS"]) == defaults.backoff_base_seconds
     assert float(env["VLLMDP_BACKOFF_CAP_SECONDS"]) == defaults.backoff_cap_seconds
     assert float(env["VLLMDP_HEALTH_TIMEOUT_SECONDS"]) == defaults.health_timeout_seconds

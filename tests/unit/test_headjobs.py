@@ -295,3 +295,27 @@ async def test_a_replaced_head_pod_is_routed_only_on_an_answer_from_that_pod() -
     assert w.status["servedHeadPod"] == old["metadata"]["uid"]
     await w.step(1)  # the new pod's own first answer
     assert w.routed() and w.status["servedHeadPod"] != old["metadata"]["uid"]
+
+
+async def test_a_hung_engine_is_unrouted_then_stopped_and_relaunched() -> None:
+    # It served, then stopped answering: unrouted past the unroute threshold (90 s), and past
+    # relaunch_hung_after_seconds (300 s) stopped and relaunched as a failure (issue 38, item
+    # 4), where before it held its GPUs unrouted for ever.
+    w = await serving()
+    w.probe.ok = False
+    unrouted_at = None
+    for second in range(5, 400, 5):
+        await w.step(5)
+        if unrouted_at is None and not w.routed():
+            unrouted_at = second
+        if w.ray.stops:
+            break
+    assert unrouted_at is not None and 90 <= unrouted_at < 300, unrouted_at
+    assert w.ray.stops == ["demo-j00001"], "the hung head job is stopped"
+    assert c.REASON_JOB_HUNG in w.reasons()
+    assert w.status["consecutiveFailures"] == 1
+    assert "taken as hung" in w.status["lastFailureReason"]
+    w.ray.jobs["demo-j00001"] = "STOPPED"
+    for _ in range(20):
+        await w.step(5)
+    assert "demo-j00002" in w.job_names()

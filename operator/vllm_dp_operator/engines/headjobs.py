@@ -163,6 +163,12 @@ class HeadJobs:
                                       f"{said or 'none yet'})")  # fmt: skip
         else:
             self.health = self.probes.health(self.target)
+        if served and self._hung():
+            since = rfc3339(self.health.failing_since or self.st.now)
+            why = (f"it served, then its vLLM stopped answering /health ({self.health.failures} "
+                   f"probes failed in a row since {since}; {self.health.detail}): taken as hung "
+                   f"after {self.cfg.relaunch_hung_after_seconds:.0f}s, stopped and relaunched")
+            return self._record_failure(name, why, c.REASON_JOB_HUNG)
         timeout = self.spec.launch.timeout_seconds
         if (
             not self.health.ok
@@ -173,6 +179,16 @@ class HeadJobs:
                    f"where {launch_stage(job, self.health.detail)}")  # fmt: skip
             return self._record_failure(name, why, c.REASON_JOB_TIMED_OUT)
         return None
+
+    def _hung(self) -> bool:
+        """Whether a head job that served has failed its probes in a row long enough to be
+        taken as hung: past the unroute threshold, and for relaunch_hung_after_seconds. A dead
+        engine ends its head job on its own; a hung one would hold its GPUs for ever."""
+        after = self.cfg.relaunch_hung_after_seconds
+        if after <= 0 or self.health.ok or self.health.failing_since is None:
+            return False
+        failing = (self.st.now - self.health.failing_since).total_seconds()
+        return probed_gone(self.health, self.cfg, self.st.now) and failing >= after
 
     def _launch(self, job: dict[str, Any]) -> Launch:
         assert self.head_pod is not None

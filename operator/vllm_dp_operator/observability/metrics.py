@@ -42,7 +42,7 @@ PHASES = (c.PHASE_INVALID, c.PHASE_PROVISIONING, c.PHASE_LAUNCHING, c.PHASE_SERV
 #: A resource not reconciled yet has no phase.
 PHASE_NONE = "None"
 LAUNCH_REASONS = frozenset({c.REASON_JOB_CREATED, c.REASON_JOB_RELAUNCH})
-FAILURE_REASONS = frozenset({c.REASON_JOB_FAILED, c.REASON_JOB_TIMED_OUT})
+FAILURE_REASONS = frozenset({c.REASON_JOB_FAILED, c.REASON_JOB_TIMED_OUT, c.REASON_JOB_HUNG})
 # Reconciles take milliseconds (reads come from memory); a slow API server, seconds.
 RECONCILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # Model load is tens of seconds to many minutes.
