@@ -102,6 +102,11 @@ VALID: list[Any] = [
     pytest.param(
         env({"name": "TOKENIZERS_PARALLELISM", "value": "false"},
             {"name": "VLLM_MAX_TOKENS_PER_STEP", "value": "8"},
+            {"name": "HTTPS_PROXY", "value": "http://proxy.corp:3128"},
+            {"name": "NO_PROXY", "value": "localhost,.svc,10.0.0.0/8"},
+            {"name": "KEYWORDS", "value": "a@b"},
+            {"name": "STORAGE_KEYRING_PATH", "value": "/etc/keys"},
+            {"name": "VLLM_CONFIG_ROOT", "value": "/tmp/vllm"},
             {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "w", "key": "k"}}}),
         id="names-near-secret-words-and-secrets-from-a-secret",
     ),
@@ -168,6 +173,8 @@ OWNED_CASES = [
         ("--nnodes=2", "--nnodes"),
         ("-dpp", "--data-parallel-rpc-port"),
         ("--api-key=sk-123", "--api-key"),
+        ("--hf-token=hf_123", "--hf-token"),
+        ("--config=/models/serve.yaml", "--config"),
     ]
 ]
 
@@ -191,6 +198,8 @@ ABBREVIATION_CASES = [
         (("-as=1",), "--api-server-count"),
         (("-n2",), "--nnodes"),
         (("--api-k", "sk-1"), "--api-key"),
+        (("--hf_tok", "hf_1"), "--hf-token"),
+        (("--conf", "serve.yaml"), "--config"),
     ]
 ]  # fmt: skip
 
@@ -310,7 +319,14 @@ INVALID: list[Any] = [
     *(pytest.param(env({"name": name, "value": "hf_x"}), "spec.env",
                    "must not hold a secret as a literal value", id=f"secret-literal-{name}")
       for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "hf_token", "WANDB_API_KEY",
-                   "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "TOKEN")),
+                   "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "TOKEN",
+                   "PGPASSWORD", "AZURE_STORAGE_KEY", "AZURE_STORAGE_CONNECTION_STRING",
+                   "AZURE_STORAGE_ACCOUNT_KEY", "GCS_PRIVATE_KEY", "MYSQL_PASSWD")),
+    *(pytest.param(env({"name": name, "value": value}), "spec.env",
+                   "must not hold a URL with credentials", id=f"credential-url-{name}")
+      for name, value in (("HTTPS_PROXY", "http://user:pass@proxy.corp:3128"),
+                          ("MODEL_STORE", "s3://AKIA123:secret@bucket/models"),
+                          ("GIT_REMOTE", "https://ghp_token@host/repo.git"))),
     pytest.param({"serviceAccountName": "Engines_SA"}, "spec.serviceAccountName",
                  "should match pattern", id="service-account-not-a-dns-name"),
     pytest.param({"imagePullSecrets": [{"name": "a b"}]}, "spec.imagePullSecrets[0].name",

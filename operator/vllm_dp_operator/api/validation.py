@@ -82,6 +82,10 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
               "port (vllm#20119)"),
     OwnedFlag("--api-key", None, "spec.apiKeySecretRef",
               why="a secret, which would be readable in the RayJob and the process list"),
+    OwnedFlag("--hf-token", None, "spec.hfTokenSecretRef",
+              why="a secret, which would be readable in the RayJob and the process list"),
+    OwnedFlag("--config", None, "the flags themselves in engineArgs",
+              why="a file that can set the flags the operator owns out of its sight"),
 )  # fmt: skip
 
 
@@ -138,12 +142,16 @@ RESERVED_ENV = {
 }
 
 #: Variable names that hold a secret: known ones, and any with one of these words as a part
-#: (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY; not
-#: TOKENIZERS_PARALLELISM). Such a variable comes from a Secret, never as a literal: a literal
-#: travels in the head job's plan, readable by anyone who can read RayJobs.
+#: (HF_TOKEN, HUGGING_FACE_HUB_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY,
+#: AZURE_STORAGE_KEY, AZURE_STORAGE_CONNECTION_STRING; not TOKENIZERS_PARALLELISM), or a
+#: password anywhere in the name (PGPASSWORD). Such a variable comes from a Secret, never as
+#: a literal: a literal travels in the head job's plan, readable by anyone who can read RayJobs.
 SECRET_ENV_PATTERN = (
-    "(?i)(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|API_?KEY|ACCESS_?KEY)(_|$)"
+    "(?i)(PASSW(OR)?D|(^|_)(TOKEN|SECRET|CREDENTIALS?|API_?KEY|ACCESS_?KEY|STORAGE_?KEY|"
+    "ACCOUNT_?KEY|PRIVATE_?KEY|CONNECTION_?STRING)(_|$))"
 )
+#: A URL with credentials in it (`scheme://user:password@host`, a proxy's say), in any value.
+CREDENTIAL_URL_PATTERN = "[A-Za-z][A-Za-z0-9+.-]*://[^/@ ]+@"
 
 
 def _owned_flag_rule(owned: OwnedFlag) -> Rule:
@@ -206,6 +214,7 @@ def _reserved_port_rule(low: int, high: int, owner: str) -> Rule:
 
 
 _SECRET_ENV = re.compile(SECRET_ENV_PATTERN)
+_CREDENTIAL_URL = re.compile(CREDENTIAL_URL_PATTERN)
 
 
 def _reserved_list() -> str:
@@ -389,10 +398,20 @@ RULES: tuple[Rule, ...] = (
         field="env",
         cel=f"self.env.all(e, !has(e.value) || !e.name.matches('{SECRET_ENV_PATTERN}'))",
         message="must not hold a secret as a literal value (a name with TOKEN, SECRET, "
-        "PASSWORD, CREDENTIALS, API_KEY or ACCESS_KEY in it): it would be readable in the "
+        "PASSWORD, CREDENTIALS, API_KEY, ACCESS_KEY, STORAGE_KEY, ACCOUNT_KEY, PRIVATE_KEY or "
+        "CONNECTION_STRING in it): it would be readable in the "
         "RayJob; use valueFrom.secretKeyRef, or hfTokenSecretRef for HF_TOKEN and "
         "apiKeySecretRef for the API key",
         holds=lambda s: all(e.value is None or not _SECRET_ENV.search(e.name) for e in s.env),
+    ),
+    Rule(
+        field="env",
+        cel=f"self.env.all(e, !has(e.value) || !e.value.matches('{CREDENTIAL_URL_PATTERN}'))",
+        message="must not hold a URL with credentials in it (scheme://user:password@host, a "
+        "proxy's say) as a literal value: it would be readable in the RayJob; use "
+        "valueFrom.secretKeyRef",
+        holds=lambda s: all(e.value is None or not _CREDENTIAL_URL.search(e.value)
+                            for e in s.env),
     ),
     Rule(
         field="model",
