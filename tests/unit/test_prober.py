@@ -283,3 +283,26 @@ async def test_a_surge_probes_the_serving_head_and_the_new_one_side_by_side() ->
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_series_of_ranks_beyond_the_dp_size_are_dropped_before_they_are_kept() -> None:
+    # One engine's /metrics can name any engine="N" (issue 39, item 4): only the planned
+    # ranks are kept, in the reading and in the per-rank gauges.
+    engines, woken, loads = EngineDouble(), [], {}
+    svc = "a-head-svc"
+    engines.ok[svc] = True
+    engines.loads[svc] = {r: EngineLoad(r, 1, 0, 0.1) for r in (0, 1, 2, 70_000)}
+    p = pool(engines, woken, loads=loads)
+    planned = Target("ns", "a", svc, 8000, "j1", ranks=2)
+    task = p.start()[0]
+    try:
+        p.health(planned)
+        await until(lambda: p.reading(planned) is not None)
+        reading = p.reading(planned)
+        assert reading is not None and reading.loads is not None
+        assert sorted(reading.loads) == [0, 1]
+        assert "2 series of ranks at or above the DP size 2 ignored" in reading.detail
+        assert sorted(loads[("ns", "a", 0)]) == [0, 1]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

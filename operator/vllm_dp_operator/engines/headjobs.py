@@ -143,7 +143,8 @@ class HeadJobs:
         self.target = Target(self.ns, self.res.name, names.head_service(self.cluster),
                              self.spec.service.port, name, model,
                              self.spec.api_key_secret_ref is not None,
-                             self.res.replica, head=self._head_uid() or "")  # fmt: skip
+                             self.res.replica, head=self._head_uid() or "",
+                             ranks=self.plan.data_parallel_size)  # fmt: skip
         served = self._served(job)
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).

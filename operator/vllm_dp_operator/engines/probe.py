@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -98,6 +99,8 @@ class TransportProbe:
             text = complete_lines(text)
             detail += f" (read the first {self._max_bytes} bytes only)"
         try:
-            return EngineReading(parse_engine_loads(text), detail)
+            # Off the event loop: an exposition of a few MiB takes seconds of CPU to parse,
+            # and the loop serves every other resource meanwhile.
+            return EngineReading(await asyncio.to_thread(parse_engine_loads, text), detail)
         except ExpositionError as exc:
             return EngineReading(None, f"{detail}: {exc}")

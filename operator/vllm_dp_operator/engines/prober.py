@@ -66,6 +66,9 @@ class Target:
     replica: int = 0
     #: Its replica leaves: a target of its own, so the first reading comes after the unroute.
     draining: bool = False
+    #: Its DP size: /metrics series of ranks at or above it are dropped (0: none dropped),
+    #: so a tenant's exposition cannot make the operator keep more than its planned ranks.
+    ranks: int = 0
     #: The uid of the head pod it runs on: a replaced head pod (the same head job run again
     #: by KubeRay on a new Ray head) is a new target, unprobed, never routed on the dead pod's
     #: last answer.
@@ -124,6 +127,16 @@ class _Entry:
     again: bool = False
     #: What the last wake told the reconcile (see _signature).
     told: tuple[Any, ...] = field(default_factory=tuple)
+
+
+def _planned_only(reading: EngineReading, ranks: int) -> EngineReading:
+    """The reading with ranks at or above the DP size dropped, and said so."""
+    if not ranks or reading.loads is None or all(r < ranks for r in reading.loads):
+        return reading
+    kept = {r: load for r, load in reading.loads.items() if r < ranks}
+    dropped = len(reading.loads) - len(kept)
+    return EngineReading(kept, f"{reading.detail} ({dropped} series of ranks at or above the "
+                         f"DP size {ranks} ignored)")  # fmt: skip
 
 
 def _signature(entry: _Entry) -> tuple[Any, ...]:
@@ -325,6 +338,7 @@ class ProbePool:
             since = previous.failing_since if failures > 1 else self._clock()
             entry.health = ProbeResult(False, answer.detail, failures, since)
         if reading is not None:
+            reading = _planned_only(reading, entry.target.ranks)
             entry.reading = reading
             if reading.loads is None:
                 entry.metrics_at = None  # not read: try again with the next probe

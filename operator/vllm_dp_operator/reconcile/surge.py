@@ -101,6 +101,7 @@ def served_target(res: Resource, spec: VLLMDataParallelSpec, cluster: str, clust
     return Target(res.namespace, res.name, names.head_service(cluster),
                   _api_port(obj, spec.service.port), str(res.status.get("servedJob") or ""),
                   None, spec.api_key_secret_ref is not None, res.replica, draining,
+                  ranks=spec.data_parallel.size,
                   head=(head or {}).get("metadata", {}).get("uid") or "")  # fmt: skip
 
 
