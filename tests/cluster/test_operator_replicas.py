@@ -24,8 +24,7 @@ from typing import Any
 import pytest
 
 from .bed import RunningCluster
-from .test_operator_availability import slice_watch, unready_seen
-from .timeline import READY_BY_ADDRESS, ready_addresses
+from .timeline import READY, READY_BY_ADDRESS, RouteWatch, ready_addresses, route_watch
 from .traffic import Traffic
 from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
 
@@ -57,6 +56,17 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
     v.wait_phase("Serving", 300)
     yield v
     operator.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def slice_watch(vdp: Vdp, fields: str = READY) -> RouteWatch:
+    """Every change of this resource's EndpointSlice, one line each."""
+    kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
+    return route_watch(kubectl, vdp.ns, f"{NAME}-api", fields)
+
+
+def unready_seen(watch: RouteWatch) -> list[tuple[float, str]]:
+    """The slice states in which no endpoint was ready."""
+    return [(at, s) for at, s in watch.seen if "true" not in s.split("|")[-1].split()]
 
 
 def heads(vdp: Vdp) -> dict[str, dict[str, Any]]:
