@@ -322,11 +322,6 @@ INVALID: list[Any] = [
                    "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "TOKEN",
                    "PGPASSWORD", "AZURE_STORAGE_KEY", "AZURE_STORAGE_CONNECTION_STRING",
                    "AZURE_STORAGE_ACCOUNT_KEY", "GCS_PRIVATE_KEY", "MYSQL_PASSWD")),
-    *(pytest.param(env({"name": name, "value": value}), "spec.env",
-                   "must not hold a URL with credentials", id=f"credential-url-{name}")
-      for name, value in (("HTTPS_PROXY", "http://user:pass@proxy.corp:3128"),
-                          ("MODEL_STORE", "s3://AKIA123:secret@bucket/models"),
-                          ("GIT_REMOTE", "https://ghp_token@host/repo.git"))),
     pytest.param({"serviceAccountName": "Engines_SA"}, "spec.serviceAccountName",
                  "should match pattern", id="service-account-not-a-dns-name"),
     pytest.param({"imagePullSecrets": [{"name": "a b"}]}, "spec.imagePullSecrets[0].name",

@@ -150,8 +150,6 @@ SECRET_ENV_PATTERN = (
     "(?i)(PASSW(OR)?D|(^|_)(TOKEN|SECRET|CREDENTIALS?|API_?KEY|ACCESS_?KEY|STORAGE_?KEY|"
     "ACCOUNT_?KEY|PRIVATE_?KEY|CONNECTION_?STRING)(_|$))"
 )
-#: A URL with credentials in it (`scheme://user:password@host`, a proxy's say), in any value.
-CREDENTIAL_URL_PATTERN = "[A-Za-z][A-Za-z0-9+.-]*://[^/@ ]+@"
 
 
 def _owned_flag_rule(owned: OwnedFlag) -> Rule:
@@ -214,7 +212,6 @@ def _reserved_port_rule(low: int, high: int, owner: str) -> Rule:
 
 
 _SECRET_ENV = re.compile(SECRET_ENV_PATTERN)
-_CREDENTIAL_URL = re.compile(CREDENTIAL_URL_PATTERN)
 
 
 def _reserved_list() -> str:
@@ -403,15 +400,6 @@ RULES: tuple[Rule, ...] = (
         "RayJob; use valueFrom.secretKeyRef, or hfTokenSecretRef for HF_TOKEN and "
         "apiKeySecretRef for the API key",
         holds=lambda s: all(e.value is None or not _SECRET_ENV.search(e.name) for e in s.env),
-    ),
-    Rule(
-        field="env",
-        cel=f"self.env.all(e, !has(e.value) || !e.value.matches('{CREDENTIAL_URL_PATTERN}'))",
-        message="must not hold a URL with credentials in it (scheme://user:password@host, a "
-        "proxy's say) as a literal value: it would be readable in the RayJob; use "
-        "valueFrom.secretKeyRef",
-        holds=lambda s: all(e.value is None or not _CREDENTIAL_URL.search(e.value)
-                            for e in s.env),
     ),
     Rule(
         field="model",
