@@ -215,7 +215,12 @@ def test_second_resource_queues_with_kueues_reason_and_is_admitted_when_the_firs
 def test_a_replica_beyond_the_quota_queues_alone_and_scaling_down_frees_it(
     testbed: Any, operator: OperatorProcess, ns: str
 ) -> None:
-    # Each replica's RayCluster is its own Workload: the quota holds one DP=8 group.
+    # Each replica's RayCluster is its own Workload: the quota holds one DP=8 group. The
+    # earlier tests' namespaces are deleted without waiting: their Workloads must be gone
+    # first, or they hold the quota this test measures.
+    testbed.wait_until("no Workload of another namespace", lambda: not [
+        w for w in testbed.kubectl_json("get", "workloads.kueue.x-k8s.io", "-A")["items"]
+        if w["metadata"]["namespace"] != ns], timeout=120)
     apply(testbed, ns, queued("scaled"))
     wait_phase_explained(testbed, ns, "scaled", "Launching", operator)
     testbed.kubectl("-n", ns, "scale", "vdp", "scaled", "--replicas=2")
