@@ -9,10 +9,13 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.crd import build_crd
 from vllm_dp_operator.api.validation import SpecError, validate
+from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, SERVICE
+from vllm_dp_operator.plan import build_plan
 from vllm_dp_operator.reconcile import replicaset
 from vllm_dp_operator.reconcile.replicaset import ReplicaView, decide, rollout
 from vllm_dp_operator.reconcile.update import HOLD_FOR_TURN
+from vllm_dp_operator.render import build_raycluster
 from world import World, serving, spec
 
 
@@ -318,10 +321,6 @@ async def test_a_rolling_engine_change_takes_one_replica_at_a_time() -> None:
 
 
 def test_replicas_prefer_other_nodes_and_zones_without_a_new_shape() -> None:
-    from vllm_dp_operator.config import RenderOptions
-    from vllm_dp_operator.plan import build_plan
-    from vllm_dp_operator.render import build_raycluster
-
     model = validate("demo", spec())
     plan = build_plan(model)
     first = build_raycluster("demo", "ns", model, plan, RenderOptions(), None, 0)

@@ -165,10 +165,9 @@ async def reconcile(
     for index in step.run:
         one = dataclasses.replace(res, status=before.get(index, {}), replica=index)
         mst = StatusDoc(one, now)
-        mine = [cl for cl in clusters if names.replica_of(cl) == index]
+        mine = _of(clusters, index)
         await member.reconcile_replica(one, kube, probes, ray_jobs, cfg, spec, plan, owner,
-                                       mine, [j for j in jobs if names.replica_of(j) == index],
-                                       mst, turns.get(index))  # fmt: skip
+                                       mine, _of(jobs, index), mst, turns.get(index))
         mst.settle_engines()
         st.merge(mst)
         routed = await _routed(kube, ns, res.name, index)
@@ -177,13 +176,17 @@ async def reconcile(
     for index in step.leave:
         left = await leaving.leave(
             dataclasses.replace(res, status=before.get(index, {}), replica=index), kube,
-            probes, ray_jobs, cfg, spec, plan, owner,
-            [cl for cl in clusters if names.replica_of(cl) == index],
-            [j for j in jobs if names.replica_of(j) == index], st)  # fmt: skip
+            probes, ray_jobs, cfg, spec, plan, owner, _of(clusters, index), _of(jobs, index),
+            st)  # fmt: skip
         if left is not None:
             entries.append(left)
     _summarize(st, spec, entries)
     return st.outcome()
+
+
+def _of(objs: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """The children of one replica."""
+    return [o for o in objs if names.replica_of(o) == index]
 
 
 def _views(before: dict[int, dict[str, Any]], clusters: list[dict[str, Any]],
@@ -212,9 +215,7 @@ def _turns(spec: VLLMDataParallelSpec, plan: Plan, shape: str, run: list[int],
     turns = []
     for index in run:
         prev = before.get(index, {})
-        mine = [cl for cl in clusters if names.replica_of(cl) == index]
-        outdated = not _updated(prev, [j for j in jobs if names.replica_of(j) == index], plan,
-                                mine, shape)  # fmt: skip
+        outdated = not _updated(prev, _of(jobs, index), plan, _of(clusters, index), shape)
         surging = (prev.get("update") or {}).get("phase") is not None
         turns.append(replicaset.Turn(index, outdated, bool(prev.get("routed")), surging))
     return replicaset.rollout(spec.replicas, turns, spec.update.max_unavailable,
