@@ -94,7 +94,10 @@ class OperatorProcess:
 
     def start(self) -> None:
         self.port = _free_port()
+        # Two asks may return the same free port (the first was closed again): never share.
         self.ready_port = _free_port()
+        while self.ready_port == self.port:
+            self.ready_port = _free_port()
         self.env["VLLMDP_READINESS_PORT"] = str(self.ready_port)
         self.env["VLLMDP_LEASE_NAME"] = self.lease_name or f"vdp-test-{os.urandom(4).hex()}"
         self._log_from = self.log.stat().st_size if self.log.exists() else 0
