@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 
-from vllm_dp_launcher import stages
+from vllm_dp_launcher import servecheck, stages
 from vllm_dp_launcher.plan import LaunchPlan
 
 log = logging.getLogger(__name__)
@@ -57,14 +57,17 @@ def _flag(command: tuple[str, ...], name: str) -> str | None:
 def completion_request(
     plan: LaunchPlan, env: Mapping[str, str] = os.environ
 ) -> urllib.request.Request:
-    """One completion of one token, for the served model's name, with the key if there is one."""
+    """The serving check (servecheck.py: one completion of one token, one embedding, or the
+    model list), for the served model's name, with the key if there is one."""
     model = _flag(plan.command, "--served-model-name") or plan.model
-    body = json.dumps({"model": model, "prompt": "ping", "max_tokens": 1}).encode()
-    headers = {"Content-Type": "application/json"}
+    check = servecheck.resolve(plan.serving_check, plan.command)
+    method, path, doc = servecheck.request(check, model)
+    body = json.dumps(doc).encode() if doc is not None else None
+    headers = {"Content-Type": "application/json"} if doc is not None else {}
     if key := env.get(API_KEY_ENV):
         headers["Authorization"] = f"Bearer {key}"
-    url = health_url(plan).removesuffix("/health") + "/v1/completions"
-    return urllib.request.Request(url, data=body, headers=headers, method="POST")
+    url = health_url(plan).removesuffix("/health") + path
+    return urllib.request.Request(url, data=body, headers=headers, method=method)
 
 
 def complete(request: urllib.request.Request,

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
+from vllm_dp_launcher import servecheck
 from vllm_dp_launcher.errors import PlanError
 
 SUPPORTED_VERSION = 1
@@ -71,6 +72,8 @@ class LaunchPlan:
     # launcher kills its process group; None: wait for it (Ray's own stop still SIGKILLs
     # after RAY_JOB_STOP_WAIT_TIME_S). The operator sets that variable to the same value.
     drain_grace_seconds: float | None = None
+    # The request that proves the engines serve (servecheck.py); "" derives it from `command`.
+    serving_check: str = ""
 
     def __post_init__(self) -> None:
         # Accept lists and any mapping from a caller; equality with a parsed plan needs these.
@@ -110,6 +113,7 @@ class LaunchPlan:
                 if self.drain_grace_seconds is not None
                 else {}
             ),
+            **({"servingCheck": self.serving_check} if self.serving_check else {}),
         }
 
 
@@ -236,9 +240,20 @@ def parse_plan(data: Any) -> LaunchPlan:
         drain_grace_seconds=_optional_seconds(
             _get(data, "drainGraceSeconds", "", None), "drainGraceSeconds"
         ),
+        serving_check=_serving_check(_get(data, "servingCheck", "", "")),
     )
     _check_consistency(plan)
     return plan
+
+
+def _serving_check(value: Any) -> str:
+    """Check an optional serving check name (servecheck.CHECKS; "" derives it)."""
+    if value == "":
+        return ""
+    if value not in servecheck.CHECKS:
+        raise PlanError(f"launch plan: 'servingCheck' must be one of "
+                        f"{', '.join(servecheck.CHECKS)}, got {value!r}")
+    return str(value)
 
 
 def _check_consistency(plan: LaunchPlan) -> None:

@@ -189,6 +189,30 @@ class RenderOptions:
     peers: PolicyPeers = field(default_factory=PolicyPeers)
 
 
+def update_limit(raw: str | None, default: str = "10%") -> tuple[int, float]:
+    """`N` (at most N resources; 0: no bound) or `P%` (P percent of the resources, at least
+    one): returned as (count, fraction), one of them 0."""
+    text = (raw or default).strip()
+    try:
+        if text.endswith("%"):
+            pct = float(text[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError
+            return 0, pct / 100
+        count = int(text)
+        if count < 0:
+            raise ValueError
+        return count, 0.0
+    except ValueError:
+        raise ValueError(f"VLLMDP_MAX_CONCURRENT_UPDATES={raw!r}: expected a whole number "
+                         "(0: no bound) or a percentage such as 10%") from None
+
+
+def _update_limit(raw: str | None) -> str:
+    update_limit(raw)  # refused here, at start, not at the first update
+    return (raw or "10%").strip()
+
+
 @dataclass(frozen=True)
 class Config:
     """Every setting of the operator process, each from one VLLMDP_* variable."""
@@ -225,6 +249,10 @@ class Config:
     #: relaunched, counted as a failure, so its GPUs do not stay held by an engine that no
     #: longer serves. 0: never (it stays unrouted until its head job ends).
     relaunch_hung_after_seconds: float = 300.0
+    #: VLLMDP_MAX_CONCURRENT_UPDATES: most resources whose serving replicas update at once
+    #: (a spec change or a restart), `N` or `P%` of the resources (at least one); 0: no bound.
+    #: The rest serve what they run, UpdatePending (controller/update_slots.py).
+    max_concurrent_updates: str = "10%"
     #: VLLMDP_WORKERS: resources reconciled at once (each resource by one worker at a time).
     workers: int = 16
     #: VLLMDP_PROBE_CONCURRENCY: most engines probed at once, in the probe pool (never in a
@@ -292,6 +320,7 @@ class Config:
             unroute_after_failures=_env_int("VLLMDP_UNROUTE_AFTER_FAILURES", 3),
             unroute_after_seconds=_env_float("VLLMDP_UNROUTE_AFTER_SECONDS", 90.0),
             relaunch_hung_after_seconds=_env_float("VLLMDP_RELAUNCH_HUNG_AFTER_SECONDS", 300.0),
+            max_concurrent_updates=_update_limit(os.environ.get("VLLMDP_MAX_CONCURRENT_UPDATES")),
             workers=_env_int("VLLMDP_WORKERS", 16),
             probe_concurrency=_env_int("VLLMDP_PROBE_CONCURRENCY", 32),
             proxy_qps=_env_float("VLLMDP_PROXY_QPS", 20.0),

@@ -108,6 +108,12 @@ KUEUE_VERSION: Final = "v1beta2"
 ANNOTATION_HEAD_POD_UID: Final = f"{GROUP}/head-pod-uid"
 ANNOTATION_RETIRE_STARTED: Final = f"{GROUP}/retire-started-at"
 ANNOTATION_STOP_REQUESTED: Final = f"{GROUP}/stop-requested-at"
+#: On the resource: a new value asks for new engines, as `kubectl rollout restart` does.
+ANNOTATION_RESTARTED_AT: Final = f"{GROUP}/restartedAt"
+#: On a RayCluster: the resource's `<generation>/<restartedAt>` it runs what was asked for.
+ANNOTATION_ACCEPTED: Final = f"{GROUP}/accepted"
+#: On a RayCluster: the operator-wide inputs it was rendered with (image, release, Ray).
+ANNOTATION_RENDERED_WITH: Final = f"{GROUP}/rendered-with"
 # Ray job stop: SIGTERM, then SIGKILL after this many seconds (Ray's job supervisor).
 RAY_JOB_STOP_WAIT_ENV: Final = "RAY_JOB_STOP_WAIT_TIME_S"
 #: Where the launcher also writes its stage lines: the head container's stdout, so its log
@@ -191,6 +197,7 @@ REASON_UPDATE_DONE: Final = "UpdateDone"
 REASON_UPDATE_IN_PROGRESS: Final = "UpdateInProgress"
 REASON_UPDATE_FAILED: Final = "UpdateFailed"
 REASON_UPDATE_WITHDRAWN: Final = "UpdateWithdrawn"
+REASON_UPDATE_PENDING: Final = "UpdatePending"
 REASON_NOT_HEALTHY: Final = "EngineNotHealthy"
 #: Served, still routed, but the operator's own probes fail (below the unroute threshold).
 REASON_PROBE_FAILING: Final = "ProbeFailing"

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from vllm_dp_launcher import plan as launcher_plan
+from vllm_dp_launcher import servecheck
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.api.models import PackStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import PackStrategy, ServingCheck, VLLMDataParallelSpec
 from vllm_dp_operator.api.quantity import cpu_quantity, memory_quantity, quantity_value
 
 # Prefixes vLLM copies from the driver to every engine actor, on top of its own.
@@ -49,6 +50,13 @@ class Plan:
     api_servers: int  # vLLM API server processes on the head pod (--api-server-count)
     head_cpu: str | None  # the head pod's CPU: the per-pod CPU plus one per API server
     head_memory: str | None  # the head pod's memory: per-pod memory plus some per API server
+    #: spec.update.servingCheck when named ("" for Auto: derived from the command).
+    serving_check: str = ""
+
+    @property
+    def check(self) -> str:
+        """The serving check to send (servecheck.resolve)."""
+        return servecheck.resolve(self.serving_check, self.command)
 
     @property
     def gpu_pods(self) -> int:
@@ -89,6 +97,7 @@ class Plan:
             port=self.port,
             command=self.command,
             env=dict(self.env),
+            serving_check=self.serving_check,
         )
 
     def launch_spec(self) -> dict[str, Any]:
@@ -235,4 +244,6 @@ def build_plan(spec: VLLMDataParallelSpec) -> Plan:
         api_servers=api_server_count(spec),
         head_cpu=head_cpu,
         head_memory=head_memory,
+        serving_check="" if spec.update.serving_check == ServingCheck.AUTO
+        else str(spec.update.serving_check),
     )

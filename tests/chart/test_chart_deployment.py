@@ -15,7 +15,7 @@ CI = {p.stem: p for p in chartlib.CI_VALUES}
 KOPF_ARGS = ["run", "--standalone", "--liveness=http://0.0.0.0:8080/healthz",
              "-m", "vllm_dp_operator.handlers"]
 ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_IFNAME",
-             "VLLMDP_ENGINE_FS_GROUP",
+             "VLLMDP_ENGINE_FS_GROUP", "VLLMDP_MAX_CONCURRENT_UPDATES",
              "VLLMDP_HEALTH_PROBE", "VLLMDP_HEALTH_TIMEOUT_SECONDS",
              "VLLMDP_PROBE_LAUNCHING_SECONDS", "VLLMDP_PROBE_SERVING_SECONDS",
              "VLLMDP_PROBE_METRICS_SECONDS",
@@ -233,6 +233,7 @@ def test_chart_defaults_match_operator_defaults(helm_bin: str) -> None:
     assert float(env["VLLMDP_BACKOFF_CAP_SECONDS"]) == defaults.backoff_cap_seconds
     assert float(env["VLLMDP_HEALTH_TIMEOUT_SECONDS"]) == defaults.health_timeout_seconds
     assert int(env["VLLMDP_ENGINE_FS_GROUP"]) == defaults.render.fs_group
+    assert env["VLLMDP_MAX_CONCURRENT_UPDATES"] == defaults.max_concurrent_updates
     assert float(env["VLLMDP_STOP_CONFIRM_SECONDS"]) == defaults.stop_confirm_seconds
     assert env["VLLMDP_CLUSTER_DOMAIN"] == defaults.cluster_domain
     election = defaults.election

@@ -203,6 +203,8 @@ INVALID = [
         {"podSelector": {"matchExpressions": [{"key": "/x", "operator": "Exists"}]}}]}}),
     ("service.allowFrom", {"service": {"allowFrom": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}}),
     ("networkPolicy.enabled", {"networkPolicy": {"enabled": "no"}}),
+    ("ray.auth", {"ray": {"auth": "disabled"}, "networkPolicy": {"enabled": False}}),
+    ("update.servingCheck", {"update": {"servingCheck": "Ping"}}),
 ]
 
 

@@ -318,6 +318,20 @@ async def test_own_status_echo_wakes_nothing_but_a_spec_change_does(bed: Bed) ->
     assert bed.ctl.cache.peek(VDP, *KEY) is None and bed.ctl.queue.due_in(KEY) is None
 
 
+async def test_a_restart_annotation_wakes_the_owner_other_annotations_do_not(bed: Bed) -> None:
+    await bed.owner_with_cluster()
+    before = bed.ctl.reconciles
+    await bed.api.patch(VDP, "default", "demo", {"metadata": {"annotations": {"note": "x"}}})
+    bed.kopf_event("MODIFIED")
+    await bed.settle()
+    assert bed.ctl.reconciles == before
+    await bed.api.patch(VDP, "default", "demo", {"metadata": {"annotations": {
+        c.ANNOTATION_RESTARTED_AT: "2026-12-06T10:00:00Z"}}})  # kubectl annotate: no generation
+    bed.kopf_event("MODIFIED")
+    await bed.settle()
+    assert bed.ctl.reconciles > before
+
+
 async def test_an_owner_deleted_unseen_is_forgotten_at_its_status_404(bed: Bed) -> None:
     await bed.owner_with_cluster()
     # Deleted while kopf's watch was away: no DELETED event ever reaches the controller.

@@ -27,6 +27,7 @@ class EngineDouble:
         self.unreadable: set[str] = set()
         self.completes: dict[str, bool] = {}
         self.completions: list[tuple[str, str, bool]] = []
+        self.checks: list[str] = []
         self.in_flight = 0
         self._release = asyncio.Event()
 
@@ -47,9 +48,11 @@ class EngineDouble:
         return EngineReading(self.loads.get(service, {}), f"{service} /metrics")
 
     async def complete(
-        self, namespace: str, service: str, port: int, model: str, keyed: bool
-    ) -> ProbeResult:
+        self, namespace: str, service: str, port: int, model: str, keyed: bool,
+        check: str = "Completion",
+    ) -> ProbeResult:  # fmt: skip
         self.completions.append((service, model, keyed))
+        self.checks.append(check)
         ok = self.completes.get(service, False)
         return ProbeResult(ok, f"POST {service}/v1/completions {model}")
 
@@ -275,7 +278,7 @@ async def test_a_surge_probes_the_serving_head_and_the_new_one_side_by_side() ->
         engines.ok["a-head-svc"] = False  # the serving engine hangs on
         await until(lambda: p.health(old).failures >= 3)
         assert p.health(new).ok
-        p.keep(("ns", "a"), {0: False})  # no update starting: the new generation's slot goes
+        p.keep(("ns", "a"), {0: frozenset()})  # no update starting: the new generation's slot goes
         assert len(p) == 1 and p.health(old).failures >= 3
         asked = engines.asked.count("a2-head-svc")
         await until(lambda: engines.asked.count("a-head-svc") >= 15)

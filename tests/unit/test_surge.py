@@ -76,15 +76,27 @@ async def test_surge_end_to_end_switches_only_once_the_new_generation_serves() -
     assert cluster_names(w) == sorted([old, new])  # the old one drains, still there
     assert "UpdateSwitched" in w.reasons()
 
+    # Kept-alive connections still carry requests to the old engines: it drains by them.
+    w.probe.metrics = 'vllm:num_requests_running{engine="0"} 2\n'
     await w.step(10)
     assert cluster_names(w) == sorted([old, new]) and routed_to(w) == new
-    out = await w.step(25)
+    assert w.ray.stops == [] and "2 request(s) running" in str(w.status["conditions"])
+    w.probe.metrics = 'vllm:num_requests_running{engine="0"} 0\n'
+    await w.step(1)
+    # Drained: vLLM's own shutdown through Ray's job API, before its pods go.
+    assert w.ray.stops == ["demo-j00001"] and cluster_names(w) == sorted([old, new])
+    w.ray.jobs["demo-j00001"] = "STOPPED"
+    await w.step(1)
+    out = await w.step(1)
     assert cluster_names(w) == [new]
     assert "update" not in w.status and "UpdateDone" in w.reasons()
     assert out.status["update"] is None  # the merge patch removes it
     await w.step(1)
     assert routed_to(w) == new and w.status["phase"] == c.PHASE_SERVING
     assert w.job_names() == ["demo-j00002"]
+    writes = [(v, k, n) for v, k, n in w.kube.writes if n in ("demo-j00001", old)]
+    assert writes.index(("delete", "rayjobs", "demo-j00001")) < writes.index(
+        ("delete", "rayclusters", old))
 
 
 async def test_with_an_api_key_the_switch_waits_for_the_launchers_own_completion() -> None:
@@ -241,7 +253,12 @@ async def test_changes_without_new_engines_restart_nothing_under_either_strategy
         assert "update" not in w.status and w.ray.stops == []
         assert w.kube.objects[(SERVICE, "default", "demo-api")]["spec"]["type"] == "NodePort"
         kinds = {kind for _, kind, *_ in w.kube.writes[writes:]}
-        assert kinds <= {"services"}, kinds
+        # The cluster is told that it runs what the new generation asks (one annotation),
+        # so that a later render of the operator's own replaces nothing.
+        assert kinds <= {"services", "rayclusters"}, kinds
+        assert [v for v, kind, _ in w.kube.writes[writes:] if kind == "rayclusters"] == ["patch"]
+        [cluster] = w.clusters()
+        assert cluster["metadata"]["annotations"][c.ANNOTATION_ACCEPTED] == "2/"
 
 
 async def test_recreate_still_relaunches_on_the_same_pods() -> None:

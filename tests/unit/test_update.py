@@ -11,6 +11,7 @@ from vllm_dp_operator.reconcile.update import (
     DRAINING,
     STARTING,
     Decision,
+    Draining,
     Generation,
     Mode,
     Wanted,
@@ -85,18 +86,30 @@ def test_new_generation_serving_switches_to_draining() -> None:
     assert drained["drainingSince"] == "2026-01-01T00:01:00Z"
 
 
-def test_drain_keeps_both_then_deletes_the_old_cluster() -> None:
+def test_drain_keeps_both_then_stops_the_old_head_job_then_deletes_the_old_cluster() -> None:
     record = switched(step(want(plan="p2")).record or {}, T0)
     new = Generation("demo-sp2", "aaaa1111", "p2@demo-sp2")
     live = {OLD.cluster: OLD.shape, new.cluster: new.shape}
-    during = step(want(plan="p2"), new, record, now=T0 + timedelta(seconds=10), live=live)
+
+    def at(seconds: int, old: Draining) -> Decision:
+        return decide(want(plan="p2"), new, live, record, None, T0 + timedelta(seconds=seconds),
+                      old_state=old)  # fmt: skip
+
+    during = at(10, Draining(running=3, jobs_left=True))
     assert during.mode is Mode.CONVERGE and during.cluster == new.cluster
     assert during.keep == {OLD.cluster, new.cluster} and during.delete == []
-    assert during.record == record and during.recheck == 21
-    done = step(want(plan="p2"), new, record, now=T0 + timedelta(seconds=30), live=live)
-    assert done.delete == [(OLD.cluster, "its drain of 30s after the switch ended")]
+    assert during.record == record and during.recheck == 21 and during.stop is None
+    assert "3 request(s) running" in (during.updated or ("", "", ""))[2]
+    # Its engines report no request (a read after the switch): its head job stops first.
+    stopping = at(12, Draining(running=0, jobs_left=True))
+    assert stopping.stop == OLD.cluster and stopping.delete == []
+    assert stopping.keep == {OLD.cluster, new.cluster} and stopping.record == record
+    done = at(14, Draining(running=None, jobs_left=False))
+    assert done.delete == [(OLD.cluster, "drained after the switch, its head job stopped")]
     assert done.record is None and done.mode is Mode.CONVERGE
     assert [r for _, r, _ in done.events] == ["UpdateDone"]
+    # Requests that never end: the drain time bounds it, then the stop.
+    assert at(30, Draining(running=5, jobs_left=True)).stop == OLD.cluster
 
 
 def test_deadline_deletes_the_new_generation_and_remembers_its_target() -> None:

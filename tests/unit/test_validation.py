@@ -212,6 +212,12 @@ RESERVED_CASES = [
 
 INVALID: list[Any] = [
     # Cross-field rules (validation.RULES).
+    pytest.param(
+        {"ray": {"auth": "disabled"}, "networkPolicy": {"enabled": False}},
+        "spec.ray.auth",
+        "may not be disabled with networkPolicy.enabled false",
+        id="no-auth-no-policy",
+    ),
     pytest.param(dp(1, 1), "spec.dataParallel.size", "must be at least 2", id="dp1"),
     pytest.param(
         dp(4, 0),

@@ -51,6 +51,8 @@ class FakeProbe:
         #: What a one-token completion answers (a Surge's new generation is asked one).
         self.completes = True
         self.completion_calls: list[str] = []
+        #: The serving check each of those asked (servecheck.py).
+        self.checks: list[str] = []
         #: Answer NOT_PROBED the first time a target is asked about, as the pool does for a
         #: target it does not hold yet (a new head job, a new head pod).
         self.fresh = False
@@ -88,6 +90,7 @@ class FakeProbe:
         if target.complete_model is None or target.service in self.down:
             return None
         self.completion_calls.append(f"{target.service}:{target.complete_model}")
+        self.checks.append(target.complete_check)
         return ProbeResult(self.completes, f"POST {target.service}/v1/completions")
 
     def nudge(self, key: tuple[str, str]) -> None:
@@ -169,15 +172,22 @@ class World:
         self.generation = 1
         self.uid = "uid-demo"
         self.events: list[tuple[str, str, str]] = []
+        #: metadata.annotations[vllmdp.io/restartedAt]
+        self.restarted_at = ""
+        #: The operator-wide update slots (converge.Slots), or None for no bound.
+        self.slots: Any = None
 
     async def step(self, advance: float = 0.0) -> Outcome:
         self.now += timedelta(seconds=advance)
-        res = Resource("demo", "default", self.uid, self.generation, self.spec, self.status)
+        res = Resource("demo", "default", self.uid, self.generation, self.spec, self.status,
+                       restarted_at=self.restarted_at,
+                       seen_generation=int(self.status.get("observedGeneration") or 0))
         # Play Ray: a token-authenticated cluster's dashboard refuses calls without its token.
         auth = (self.spec.get("ray") or {}).get("auth", "token")
         self.ray.required_token = CFG.ray_tokens.token("default", "demo") \
             if auth == "token" else None  # fmt: skip
-        out = await reconcile(res, self.kube, self.probe, self.ray, self.cfg, self.now)
+        out = await reconcile(res, self.kube, self.probe, self.ray, self.cfg, self.now,
+                              self.slots)
         self.status = {k: v for k, v in out.status.items() if v is not None}
         self.events += [(e.type, e.reason, e.message) for e in out.events]
         return out

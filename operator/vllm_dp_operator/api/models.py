@@ -190,6 +190,15 @@ class UpdateStrategy(StrEnum):
     ROLLING_UPDATE = "RollingUpdate"
 
 
+class ServingCheck(StrEnum):
+    """The request that proves new engines serve (vllm_dp_launcher/servecheck.py)."""
+
+    AUTO = "Auto"
+    COMPLETION = "Completion"
+    EMBEDDING = "Embedding"
+    MODELS = "Models"
+
+
 class UpdateSpec(ApiModel):
     """How a change that needs new engines (model, engine args, literal env, cluster shape)
     replaces the running ones. Changes that need none (labels, the Service) restart nothing."""
@@ -223,6 +232,16 @@ class UpdateSpec(ApiModel):
         description="RollingUpdate: replicas that may update at a time by Surge (a second "
         "group beside the serving one, switched once it serves), each holding a second "
         "group's GPUs meanwhile.",
+    )
+    serving_check: ServingCheck = Field(
+        default=ServingCheck.AUTO,
+        description="The request that proves new engines serve before a Surge switches to "
+        "them (sent by the operator through their head Service, and by the launcher in the "
+        "pod where the engines want an API key). Completion: one completion of one token. "
+        "Embedding: one embedding (an embedding model answers no completion). Models: the "
+        "model list (any other pooling model: classify, score, reward). Auto: Embedding for "
+        "--convert embed or --task embed, Models for --runner pooling or another pooling "
+        "--convert/--task, else Completion.",
     )
     drain_seconds: JsonInt = Field(
         default=constants.DEFAULT_UPDATE_DRAIN_SECONDS,
@@ -612,6 +631,15 @@ class UpdateStatus(ApiModel):
     )
 
 
+class RolloutStatus(ApiModel):
+    """An update of the resource's replicas that holds one of the operator's update slots."""
+
+    started_at: str = Field(description="When it took the slot (RFC 3339).")
+    asked: str = Field(
+        description="The resource's <generation>/<vllmdp.io/restartedAt> it updates to."
+    )
+
+
 class ReplicaStatus(ApiModel):
     """One replica (one DP group): what its reconcile carries from one run to the next."""
 
@@ -706,6 +734,12 @@ class VLLMDataParallelStatus(ApiModel):
         default=None,
         description="Job hash of the last Surge target that did not serve by its deadline: it "
         "is not tried again until the spec asks for something else.",
+    )
+    rollout: RolloutStatus | None = Field(
+        default=None,
+        description="While its replicas update to a new spec or restart: one of the "
+        "operator's update slots (VLLMDP_MAX_CONCURRENT_UPDATES) is held; absent otherwise. "
+        "A resource that waits for one says UpdatePending in its Updated condition.",
     )
     replicas: int = Field(
         default=0, description="Replicas that exist (the /scale subresource's status)."

@@ -13,6 +13,7 @@ from vllm_dp_operator import constants
 from vllm_dp_operator.api.models import (
     LabelSelector,
     PackStrategy,
+    RayAuth,
     Scheduler,
     SelectorOperator,
     UpdateStrategy,
@@ -424,6 +425,15 @@ RULES: tuple[Rule, ...] = (
         cel="self.env.all(e, self.env.exists_one(f, f.name == e.name))",
         message="must not name a variable twice",
         holds=lambda s: len({e.name for e in s.env}) == len(s.env),
+    ),
+    Rule(
+        field="ray.auth",
+        cel="!has(self.ray) || !has(self.ray.auth) || self.ray.auth != 'disabled' || "
+        "!has(self.networkPolicy) || !has(self.networkPolicy.enabled) || "
+        "self.networkPolicy.enabled",
+        message="may not be disabled with networkPolicy.enabled false: anyone who reaches the "
+        "head's Ray ports could run code on the GPU pods; keep one of the two",
+        holds=lambda s: s.ray.auth != RayAuth.DISABLED or s.network_policy.enabled,
     ),
     *SCHEDULING_RULES,
     *_ALLOW_FROM_RULES,

@@ -73,6 +73,7 @@ from vllm_dp_operator.controller.kube import (
 )
 from vllm_dp_operator.controller.reconcile_view import CountingKube
 from vllm_dp_operator.controller.status_writer import StatusWriter, api_message
+from vllm_dp_operator.controller.update_slots import UpdateSlots
 from vllm_dp_operator.controller.watch_health import (
     WatchProblem,
     kind_name,
@@ -82,7 +83,7 @@ from vllm_dp_operator.controller.watch_health import (
 from vllm_dp_operator.controller.workqueue import ShutDown, WorkQueue
 from vllm_dp_operator.engines.launch_reports import LaunchReports, LogSource
 from vllm_dp_operator.engines.probe import HealthProbe
-from vllm_dp_operator.engines.prober import ProbePool
+from vllm_dp_operator.engines.prober import CANDIDATE, DRAIN, ProbePool
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.engines.transport import PROBES_OFF
 from vllm_dp_operator.observability.metrics import (
@@ -93,7 +94,7 @@ from vllm_dp_operator.observability.metrics import (
 )
 from vllm_dp_operator.reconcile.converge import reconcile
 from vllm_dp_operator.reconcile.outcome import Event, Outcome, Resource
-from vllm_dp_operator.reconcile.update import STARTING
+from vllm_dp_operator.reconcile.update import DRAINING, STARTING
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +123,21 @@ def jitter(seconds: float, spread: float = 0.1) -> float:
 PROBED_PHASES = frozenset({c.PHASE_LAUNCHING, c.PHASE_SERVING, c.PHASE_DRAINING})
 
 
-def probed(status: dict[str, Any]) -> dict[int, bool]:
-    """The replicas the pool probes (those that launch, serve or drain), and for each whether
-    its Surge's new generation is probed too (an update is starting)."""
+def probed(status: dict[str, Any]) -> dict[int, frozenset[str]]:
+    """The replicas the pool probes (those that launch, serve or drain), and for each which
+    other generation is probed too: its Surge's new one (an update is starting), or the one
+    that drains (a Surge's old one, or the replica itself as it leaves)."""
     if status.get("phase") == c.PHASE_INVALID:
         return {}
-    return {int(e["index"]): (e.get("update") or {}).get("phase") == STARTING
-            for e in status.get("replicaStatuses") or []
-            if e.get("phase") in PROBED_PHASES}  # fmt: skip
+    out = {}
+    for e in status.get("replicaStatuses") or []:
+        if e.get("phase") not in PROBED_PHASES:
+            continue
+        phase = (e.get("update") or {}).get("phase")
+        out[int(e["index"])] = frozenset(
+            ({CANDIDATE} if phase == STARTING else set())
+            | ({DRAIN} if phase == DRAINING or e.get("leaving") else set()))
+    return out
 
 
 def next_wake(cfg: Config, outcome: Outcome) -> float:
@@ -145,9 +153,12 @@ class OwnerGone(Exception):
     """The resource a reconcile was about to create children for no longer exists."""
 
 
-def _mark(meta: Obj) -> tuple[str, object, object]:
-    """What makes an owner event news: its uid, its generation, its deletion."""
-    return (str(meta.get("uid") or ""), meta.get("generation"), meta.get("deletionTimestamp"))
+def _mark(meta: Obj) -> tuple[str, object, object, object]:
+    """What makes an owner event news: its uid, its generation, its deletion, and its restart
+    annotation (`kubectl annotate ... vllmdp.io/restartedAt=...` changes no generation)."""
+    restart = (meta.get("annotations") or {}).get(c.ANNOTATION_RESTARTED_AT)
+    return (str(meta.get("uid") or ""), meta.get("generation"), meta.get("deletionTimestamp"),
+            restart)  # fmt: skip
 
 
 def _event_target(owner: Obj) -> Obj:
@@ -202,10 +213,13 @@ class Controller:
                                    gate=self._quiet)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        #: The operator-wide bound on resources that update at once.
+        self.slots = UpdateSlots(cfg.max_concurrent_updates, self._updating,
+                                 lambda: self.cache.count(VDP))  # fmt: skip
         #: Resources not tried yet since they appeared (or since the operator started).
         self._new: set[Key] = set()
         #: Per key, the owner's (uid, generation, deletion) last woken for or reconciled.
-        self._marks: dict[Key, tuple[str, object, object]] = {}
+        self._marks: dict[Key, tuple[str, object, object, object]] = {}
         #: Keys a kopf event woke since their last reconcile: their owner surely exists.
         self._told: set[Key] = set()
         self._no_new = asyncio.Event()
@@ -518,7 +532,7 @@ class Controller:
         now = self.clock()
         try:
             outcome = await reconcile(Resource.from_body(owner), kube, self.probes,
-                                      self.ray_jobs, self.cfg, now)  # fmt: skip
+                                      self.ray_jobs, self.cfg, now, self.slots)  # fmt: skip
         except OwnerGone:
             log.info("%s/%s (uid %s) was deleted while unwatched; forgetting it", *key, uid)
             self._gone(key, uid)
@@ -539,6 +553,7 @@ class Controller:
             self.status.submit(key, uid, changes, after=lambda: self._post_all(target, events))
         else:
             self._post_all(target, events)
+        self.slots.written(key)  # status.rollout, held or given back, is the effective status
         if kube.creates_and_deletes:
             # The watch's echo of our own writes wakes nobody (the cache already holds them):
             # look once more, so the reconcile reaches a fixed point, as after an echo.
@@ -546,6 +561,12 @@ class Controller:
             self.queue.add(key)
         self.queue.add_after(key, next_wake(self.cfg, outcome))
         return outcome
+
+    def _updating(self) -> list[Key]:
+        """The resources whose (effective) status holds an update slot."""
+        return [key for key, obj in self.cache.items(VDP)
+                if self.status.effective(key, obj["metadata"].get("uid") or "",
+                                         obj.get("status") or {}).get("rollout")]  # fmt: skip
 
     def _post_all(self, target: Obj, events: list[Event]) -> None:
         for event in events:

@@ -86,6 +86,7 @@ class HeadJobs:
         self, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, res: Resource,
         spec: VLLMDataParallelSpec, plan: Plan, cluster: str, head_pod: dict[str, Any] | None,
         st: StatusDoc, route: Callable[[bool], Awaitable[bool]], complete: bool = False,
+        keep_job: str | None = None,
     ) -> None:  # fmt: skip
         self.kube, self.probes, self.ray_jobs, self.cfg = kube, probes, ray_jobs, cfg
         self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
@@ -94,6 +95,8 @@ class HeadJobs:
         self.route = route
         #: Ask one completion once /health answers: a Surge's new generation proves it serves.
         self.complete = complete
+        #: A head job hash kept besides the plan's (reconcile/update.py Decision.keep_job).
+        self.keep_job = keep_job
         self.health: ProbeResult = NOT_PROBED
         self.target: Target | None = None
         #: The launcher's last reported stage for the latest head job, while it is followed.
@@ -105,7 +108,7 @@ class HeadJobs:
     async def converge(self, jobs: list[dict[str, Any]]) -> None:
         """Jobs are the live head jobs on this cluster, oldest attempt first."""
         want = job_hash(self.plan, self.cluster)
-        current = [j for j in jobs if _labels(j).get(c.LABEL_JOB_HASH) == want]
+        current = [j for j in jobs if _labels(j).get(c.LABEL_JOB_HASH) in (want, self.keep_job)]
         latest = current[-1] if current else None
         retire = [(j, "what it runs has changed") for j in jobs if j not in current]
         retire += [(j, "a newer head job runs the same plan") for j in current[:-1]]
@@ -144,7 +147,8 @@ class HeadJobs:
                              self.spec.service.port, name, model,
                              self.spec.api_key_secret_ref is not None,
                              self.res.replica, head=self._head_uid() or "",
-                             ranks=self.plan.data_parallel_size)  # fmt: skip
+                             ranks=self.plan.data_parallel_size,
+                             complete_check=self.plan.check)  # fmt: skip
         served = self._served(job)
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+from vllm_dp_launcher import servecheck
+
 from vllm_dp_operator.engines.engine_metrics import (
     EngineLoad,
     ExpositionError,
@@ -39,6 +41,12 @@ class EngineReading:
     loads: dict[int, EngineLoad] | None
     detail: str
 
+    def in_flight(self) -> int | None:
+        """Requests running or waiting on all its ranks; None when no rank reported."""
+        if not self.loads:
+            return None
+        return sum(load.running + load.waiting for load in self.loads.values())
+
 
 class HealthProbe(Protocol):
     """Answers whether vLLM behind a Service answers GET /health with 200, and how loaded
@@ -53,9 +61,11 @@ class HealthProbe(Protocol):
         ...
 
     async def complete(
-        self, namespace: str, service: str, port: int, model: str, keyed: bool
-    ) -> ProbeResult:
-        """Ask for one completion of one token (POST /v1/completions), within the timeout."""
+        self, namespace: str, service: str, port: int, model: str, keyed: bool,
+        check: str = servecheck.COMPLETION,
+    ) -> ProbeResult:  # fmt: skip
+        """Send the serving check (one completion of one token by default), within the
+        timeout."""
         ...
 
 
@@ -73,16 +83,18 @@ class TransportProbe:
         return ProbeResult(answer.status == 200, answer.detail)
 
     async def complete(
-        self, namespace: str, service: str, port: int, model: str, keyed: bool
-    ) -> ProbeResult:
-        """One completion of one token: proof that an engine generates, not only that the API
-        server is up. Sent without a key: the operator holds none (its RBAC reads no Secret),
-        so where the engines want a key (`keyed`: spec.apiKeySecretRef) vLLM's 401 is taken as
-        its API server's answer through the head Service, and the proof of generation is the
-        launcher's own completion in the pod, with the key (its `answered` stage)."""
+        self, namespace: str, service: str, port: int, model: str, keyed: bool,
+        check: str = servecheck.COMPLETION,
+    ) -> ProbeResult:  # fmt: skip
+        """The serving check (one completion of one token, one embedding, or the model list:
+        servecheck.py): proof that the engines serve, not only that the API server is up.
+        Sent without a key: the operator holds none (its RBAC reads no Secret), so where the
+        engines want a key (`keyed`: spec.apiKeySecretRef) vLLM's 401 is taken as its API
+        server's answer through the head Service, and the proof is the launcher's own check
+        in the pod, with the key (its `answered` stage)."""
+        method, path, body = servecheck.request(check, model)
         answer = await self._transport.request(
-            "POST", namespace, service, port, "/v1/completions", limit=COMPLETION_MAX_BYTES,
-            json_body={"model": model, "prompt": "ping", "max_tokens": 1},
+            method, namespace, service, port, path, limit=COMPLETION_MAX_BYTES, json_body=body,
         )  # fmt: skip
         ok = answer.ok or (keyed and answer.status == 401)
         return ProbeResult(ok, answer.detail, 0 if ok else 1)

@@ -27,7 +27,7 @@ import contextlib
 import heapq
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 #: A resource's key, the replica, and whether the target is a Surge's new generation.
-Slot = tuple[str, str, int, bool]
+#: (namespace, name, replica, kind): a replica's serving generation (SERVE), a Surge's new one
+#: (CANDIDATE), and the one that drains (DRAIN: a leaving replica, a Surge's old generation).
+Slot = tuple[str, str, int, str]
+SERVE, CANDIDATE, DRAIN = "serve", "candidate", "drain"
 #: Whose per-rank load a reading is: a resource's key and the replica.
 LoadKey = tuple[str, str, int]
 NOT_PROBED = ProbeResult(False, "not probed yet")
@@ -73,6 +76,8 @@ class Target:
     #: by KubeRay on a new Ray head) is a new target, unprobed, never routed on the dead pod's
     #: last answer.
     head: str = ""
+    #: Which request proves it serves (vllm_dp_launcher/servecheck.py).
+    complete_check: str = "Completion"
 
     @property
     def key(self) -> Key:
@@ -82,8 +87,11 @@ class Target:
     @property
     def slot(self) -> Slot:
         """Where the pool keeps it: one per replica, and a Surge's new generation (asked a
-        completion) has a slot of its own beside the serving generation's."""
-        return (self.namespace, self.owner, self.replica, self.complete_model is not None)
+        completion) and a draining one each have a slot of their own beside the serving
+        generation's."""
+        kind = CANDIDATE if self.complete_model is not None else DRAIN if self.draining \
+            else SERVE  # fmt: skip
+        return (self.namespace, self.owner, self.replica, kind)
 
 
 class EngineProbes(Protocol):
@@ -208,15 +216,16 @@ class ProbePool:
         """Stop probing a resource that is gone."""
         self.keep(key, {})
 
-    def keep(self, key: Key, wanted: Mapping[int, bool]) -> None:
-        """Probe on only the replicas in `wanted` (the others neither launch nor serve), and
-        a replica's Surge generation only where its value is True (an update is starting)."""
+    def keep(self, key: Key, wanted: Mapping[int, Collection[str]]) -> None:
+        """Probe on only the replicas in `wanted` (the others neither launch nor serve): each
+        one's serving generation, and the other slots its value names (CANDIDATE while an
+        update starts, DRAIN while a generation drains)."""
         for slot in self._slots_of(key):
-            replica, candidate = slot[2], slot[3]
-            if replica in wanted and (wanted[replica] or not candidate):
+            replica, kind = slot[2], slot[3]
+            if replica in wanted and (kind == SERVE or kind in wanted[replica]):
                 continue
             self._pop(slot)
-            if not candidate and self._on_loads is not None:
+            if kind == SERVE and self._on_loads is not None:
                 self._on_loads((*key, replica), None)
         if self._reports is not None:
             for replica in {slot[2] for slot in self._reported_slots(key)} - set(wanted):
@@ -257,6 +266,8 @@ class ProbePool:
         return asyncio.get_running_loop().time()
 
     def _metrics_due(self, entry: _Entry) -> bool:
+        if entry.target.draining:
+            return True  # a drain ends on the first read that shows no request
         last = entry.metrics_at
         return last is None or self._now() - last >= METRICS_DUE * self.metrics_seconds
 
@@ -310,7 +321,8 @@ class ProbePool:
                     reading = await self._probe.engines(t.namespace, t.service, t.port)
                 if t.complete_model is not None and not (completion and completion.ok):
                     completion = await self._probe.complete(
-                        t.namespace, t.service, t.port, t.complete_model, t.complete_keyed)
+                        t.namespace, t.service, t.port, t.complete_model, t.complete_keyed,
+                        t.complete_check)  # fmt: skip
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a probe never kills the pool: count it as failed
@@ -328,7 +340,7 @@ class ProbePool:
     def _record(
         self, slot: Slot, entry: _Entry, answer: ProbeResult, reading: EngineReading | None
     ) -> None:
-        key, replica, candidate = (slot[0], slot[1]), slot[2], slot[3]
+        key, replica, kind = (slot[0], slot[1]), slot[2], slot[3]
         previous = entry.health
         if answer.ok:
             entry.health = ProbeResult(True, answer.detail)
@@ -342,8 +354,8 @@ class ProbePool:
             entry.reading = reading
             if reading.loads is None:
                 entry.metrics_at = None  # not read: try again with the next probe
-            # The resource's load is its serving generation's; a new one's is not yet.
-            if self._on_loads is not None and reading.loads is not None and not candidate:
+            # The resource's load is its serving generation's: not a new one's, nor a drain's.
+            if self._on_loads is not None and reading.loads is not None and kind == SERVE:
                 self._on_loads((*key, replica), reading.loads)
         period = self._serving if entry.served else self._launching
         self._schedule(slot, entry, 0.0 if entry.again else period * random.uniform(0.9, 1.1))

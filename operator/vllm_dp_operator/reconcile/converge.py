@@ -8,8 +8,9 @@ The set is decided in `replicaset.py` (pure); a leaving replica is taken out in 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
@@ -29,12 +30,11 @@ from vllm_dp_operator.controller.kube import (
 from vllm_dp_operator.engines.prober import EngineProbes
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
-from vllm_dp_operator.reconcile import leaving, member, replicaset
+from vllm_dp_operator.reconcile import leaving, member, replicaset, surge
 from vllm_dp_operator.reconcile.member import create_child, label_of, ours
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
-from vllm_dp_operator.reconcile.status import (
-    condition_status,
-)
+from vllm_dp_operator.reconcile.status import condition_status, rfc3339
+from vllm_dp_operator.reconcile.update import HOLD_FOR_SLOT
 from vllm_dp_operator.render import build_service
 from vllm_dp_operator.render.headjob import job_hash
 from vllm_dp_operator.render.meta import owner_reference
@@ -42,6 +42,9 @@ from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
 from vllm_dp_operator.render.raycluster import cluster_hash
 
 __all__ = ["Outcome", "Resource", "reconcile"]
+
+#: How often a resource that waits for an update slot asks again.
+SLOT_RECHECK_SECONDS = 10.0
 
 
 def _layout(plan: Plan) -> dict[str, Any]:
@@ -119,10 +122,20 @@ async def _ensure_network_policy(
         await kube.patch(NETWORKPOLICY, res.namespace, name, {"spec": desired["spec"]})
 
 
+class Slots(Protocol):
+    """The operator-wide update slots (controller/update_slots.py)."""
+
+    def take(self, key: tuple[str, str]) -> bool:
+        """Whether this resource may update now (a slot held already, or one taken)."""
+        ...
+
+
 async def reconcile(
-    res: Resource, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, now: datetime
-) -> Outcome:
-    """Bring the children in line with the spec and say where things stand."""
+    res: Resource, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config,
+    now: datetime, slots: Slots | None = None,
+) -> Outcome:  # fmt: skip
+    """Bring the children in line with the spec and say where things stand. `slots`: the
+    operator-wide bound on resources that update at once (None: no bound)."""
     st = StatusDoc(res, now)
     try:
         spec = validate(res.name, res.spec)
@@ -155,12 +168,20 @@ async def reconcile(
     else:
         await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
 
-    shape = cluster_hash(res.name, spec, plan, cfg.render)
+    shape = cluster_hash(res.name, spec, plan, cfg.render, res.restarted_at)
     before = replicaset.previous(res.status)
     step = replicaset.decide(spec.replicas, _views(before, clusters, jobs))
     if step.chosen or step.added:
         st.event(c.EVENT_NORMAL, c.REASON_SCALED, _scaled(step, spec.replicas))
-    turns = _turns(spec, plan, shape, step.run, before, clusters, jobs)
+
+    def outdated(index: int) -> bool:
+        prev = before.get(index, {})
+        legacy = surge.legacy_accepted(dataclasses.replace(res, status=prev))
+        return not _updated(prev, _of(jobs, index), plan, _of(clusters, index), shape,
+                            res.asked, legacy)  # fmt: skip
+
+    turns = _claim(res, spec, st, slots, step.run, before, outdated) \
+        or _turns(spec, step.run, before, outdated)  # fmt: skip
     entries = []
     for index in step.run:
         one = dataclasses.replace(res, status=before.get(index, {}), replica=index)
@@ -171,7 +192,8 @@ async def reconcile(
         mst.settle_engines()
         st.merge(mst)
         routed = await _routed(kube, ns, res.name, index)
-        updated = _updated(mst.doc, jobs, plan, mine, shape)
+        updated = _updated(mst.doc, jobs, plan, mine, shape, res.asked,
+                           surge.legacy_accepted(one))  # fmt: skip
         entries.append(replicaset.entry(index, mst.doc, routed, updated))
     for index in step.leave:
         left = await leaving.leave(
@@ -181,7 +203,32 @@ async def reconcile(
         if left is not None:
             entries.append(left)
     _summarize(st, spec, entries)
+    if st.doc.get("rollout") and all(replicaset.settled(e) for e in entries
+                                     if not e.get("leaving")):  # fmt: skip
+        st.doc["rollout"] = None  # its slot goes back
     return st.outcome()
+
+
+def _claim(
+    res: Resource, spec: VLLMDataParallelSpec, st: StatusDoc, slots: Slots | None,
+    run: list[int], before: dict[int, dict[str, Any]], outdated: Callable[[int], bool],
+) -> dict[int, str]:  # fmt: skip
+    """An update slot for a resource whose serving replicas the user asks to update; without
+    one, those replicas hold (update.HOLD_FOR_SLOT) and serve what they run. A replica that
+    does not serve updates without a slot: there is nothing to keep up."""
+    st.doc["rollout"] = held = res.status.get("rollout")
+    if slots is None or spec.suspend:
+        return {}
+    asking = [i for i in run if before.get(i, {}).get("routed") and outdated(i)]
+    if not asking:
+        return {}
+    surging = any((before.get(i, {}).get("update") or {}).get("phase") for i in run)
+    if held or slots.take((res.namespace, res.name)) or surging:
+        if not held:
+            st.doc["rollout"] = {"startedAt": rfc3339(st.now), "asked": res.asked}
+        return {}
+    st.recheck(SLOT_RECHECK_SECONDS)  # nothing wakes it when another resource's slot frees
+    return {i: HOLD_FOR_SLOT for i in asking}
 
 
 def _of(objs: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
@@ -205,9 +252,8 @@ def _views(before: dict[int, dict[str, Any]], clusters: list[dict[str, Any]],
     return views
 
 
-def _turns(spec: VLLMDataParallelSpec, plan: Plan, shape: str, run: list[int],
-           before: dict[int, dict[str, Any]], clusters: list[dict[str, Any]],
-           jobs: list[dict[str, Any]]) -> dict[int, str]:  # fmt: skip
+def _turns(spec: VLLMDataParallelSpec, run: list[int], before: dict[int, dict[str, Any]],
+           outdated: Callable[[int], bool]) -> dict[int, str]:  # fmt: skip
     """Under RollingUpdate, the strategy each outdated replica updates by now (or holds by),
     from what each last reconcile wrote: replicaset.rollout decides."""
     if spec.update.strategy != UpdateStrategy.ROLLING_UPDATE or spec.suspend:
@@ -215,9 +261,9 @@ def _turns(spec: VLLMDataParallelSpec, plan: Plan, shape: str, run: list[int],
     turns = []
     for index in run:
         prev = before.get(index, {})
-        outdated = not _updated(prev, _of(jobs, index), plan, _of(clusters, index), shape)
         surging = (prev.get("update") or {}).get("phase") is not None
-        turns.append(replicaset.Turn(index, outdated, bool(prev.get("routed")), surging))
+        turns.append(replicaset.Turn(index, outdated(index), bool(prev.get("routed")),
+                                     surging))  # fmt: skip
     return replicaset.rollout(spec.replicas, turns, spec.update.max_unavailable,
                               spec.update.max_surge)  # fmt: skip
 
@@ -247,13 +293,17 @@ async def _routed(kube: Kube, ns: str, name: str, index: int) -> bool:
 
 
 def _updated(doc: dict[str, Any], jobs: list[dict[str, Any]], plan: Plan,
-             clusters: list[dict[str, Any]], shape: str) -> bool:  # fmt: skip
-    """Whether a replica runs what the spec asks for: no update under way, its cluster of the
-    shape the spec asks for, and its current head job, if any, running the spec's plan."""
+             clusters: list[dict[str, Any]], shape: str, asked: str = "",
+             legacy: str | None = None) -> bool:  # fmt: skip
+    """Whether a replica runs what the spec asks for: no update under way, and its cluster
+    accepted for what the resource asks now (the operator's own render may differ), or of the
+    shape the spec asks for with its current head job, if any, running the spec's plan."""
     if doc.get("update"):
         return False
     cluster = next((cl for cl in clusters if cl["metadata"]["name"] == doc.get("rayCluster")),
                    None)  # fmt: skip
+    if cluster is not None and asked and surge.accepted_of(cluster, legacy) == asked:
+        return True
     if cluster is None or label_of(cluster, c.LABEL_CLUSTER_HASH) not in (None, shape):
         return False
     job = next((j for j in jobs if j["metadata"]["name"] == doc.get("headJob")), None)

@@ -28,6 +28,7 @@ from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.routing import Router
 from vllm_dp_operator.reconcile.status import rfc3339
 from vllm_dp_operator.reconcile.surge import served_route, served_target
+from vllm_dp_operator.reconcile.update import drain_over
 
 Obj = dict[str, Any]
 
@@ -38,9 +39,7 @@ def _live(objs: list[Obj]) -> list[Obj]:
 
 def _running(probes: EngineProbes, target: Target) -> int | None:
     reading = probes.reading(target)
-    if reading is None or reading.loads is None:
-        return None
-    return sum(load.running + load.waiting for load in reading.loads.values())
+    return reading.in_flight() if reading is not None else None
 
 
 async def leave(
@@ -84,7 +83,7 @@ async def leave(
     # that is the routing decision, read back from the slice on each step.
     if router.serving and router.head_pod is not None:
         target = served_target(res, spec, cluster or "", clusters, head_pod, draining=True)
-        over, why = replicaset.drain_over(since, spec.update.drain_seconds,
+        over, why = drain_over(since, spec.update.drain_seconds,
                                           _running(probes, target), now)  # fmt: skip
     if not over:
         mst.recheck(spec.update.drain_seconds + 1)

@@ -42,7 +42,7 @@ from vllm_dp_operator.reconcile.status import (
     explain_refused,
     waits_for_secret,
 )
-from vllm_dp_operator.reconcile.update import HOLD_FOR_TURN, Mode
+from vllm_dp_operator.reconcile.update import Mode
 from vllm_dp_operator.render import build_raycluster
 from vllm_dp_operator.render.raytoken import build_ray_token_secret
 from vllm_dp_operator.render.scheduling import kueue_queue
@@ -100,6 +100,18 @@ async def _ensure_cluster(
     if not queued and bool((current.get("spec") or {}).get("suspend")) != want_suspend:
         await kube.patch(RAYCLUSTER, ns, name, {"spec": {"suspend": want_suspend}})
     return current
+
+
+async def _accept(kube: Kube, clusters: list[dict[str, Any]], name: str, asked: str) -> None:
+    """Record on the serving cluster that it runs what the resource asks now
+    (`vllmdp.io/accepted`): later renders of the operator's own (a new default, a new
+    release) then replace nothing (reconcile/update.py)."""
+    for cluster in clusters:
+        meta = cluster["metadata"]
+        if meta["name"] == name and (meta.get("annotations") or {}).get(
+                c.ANNOTATION_ACCEPTED) != asked and not meta.get("deletionTimestamp"):
+            await kube.patch(RAYCLUSTER, meta["namespace"], name,
+                             {"metadata": {"annotations": {c.ANNOTATION_ACCEPTED: asked}}})
 
 
 async def _drop_jobs_without_pods(
@@ -181,9 +193,16 @@ async def reconcile_replica(
     """One replica: a single DP group's reconcile, as a resource was before replicas. `turn`:
     how a rolling update across replicas has it update now (replicaset.rollout)."""
     ns = res.namespace
-    desired = build_raycluster(res.name, ns, spec, plan, cfg.render, owner, res.replica)
-    step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st, turn)
+    desired = build_raycluster(res.name, ns, spec, plan, cfg.render, owner, res.replica,
+                               res.asked, res.restarted_at)  # fmt: skip
+    old_state = await surge.drained_state(kube, res, spec, clusters, jobs, probes)
+    step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st, turn, old_state)
+    if step.stop is not None:
+        await surge.stop_drained(kube, res, spec, plan, step.stop, jobs, probes, ray_jobs, cfg,
+                                 st)  # fmt: skip
     clusters, jobs = await surge.apply_step(kube, ns, step, clusters, jobs, st)
+    if step.accept:
+        await _accept(kube, clusters, step.cluster, res.asked)
     cluster_name = step.cluster
     if cluster_name != desired["metadata"]["name"]:
         # The same shape under another name: the serving cluster, or a Surge's second one.
@@ -191,7 +210,7 @@ async def reconcile_replica(
     st.doc.update(rayCluster=cluster_name)
     if step.mode is Mode.HOLD:
         await surge.hold(kube, res, spec, owner, step.cluster, clusters, jobs, probes, cfg, st,
-                         turn == HOLD_FOR_TURN)  # fmt: skip
+                         turn)  # fmt: skip
         return
     token_secret = None
     if spec.ray.auth == RayAuth.TOKEN:
@@ -231,7 +250,7 @@ async def reconcile_replica(
                                          step.keep)  # fmt: skip
     flow = await _converge_cluster(kube, probes, ray_jobs, cfg, res, spec, plan, cluster,
                                     cluster_name, head_pod, held, queue, live, token_secret,
-                                    st, route, shadow is not None)  # fmt: skip
+                                    st, route, shadow is not None, step.keep_job)  # fmt: skip
     if shadow is not None and step.record is not None:
         await surge.after_candidate(st, shadow, router, step.record, probes,
                                     flow.target if flow else None, flow.said if flow else None,
@@ -245,7 +264,7 @@ async def _converge_cluster(
     spec: VLLMDataParallelSpec, plan: Plan, cluster: dict[str, Any] | None, cluster_name: str,
     head_pod: dict[str, Any] | None, held: bool, queue: str | None, live: list[dict[str, Any]],
     token_secret: dict[str, Any] | None, st: StatusDoc,
-    route: Callable[[bool | None], Awaitable[bool]], complete: bool,
+    route: Callable[[bool | None], Awaitable[bool]], complete: bool, keep_job: str | None,
 ) -> HeadJobs | None:  # fmt: skip
     """One generation: queued, suspended, provisioning, or its head jobs on a ready cluster."""
     ns = res.namespace
@@ -285,6 +304,6 @@ async def _converge_cluster(
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
     flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
-                    route, complete)  # fmt: skip
+                    route, complete, keep_job)  # fmt: skip
     await flow.converge(live)
     return flow

@@ -24,6 +24,15 @@ class Resource:
     #: The replica one member reconcile works on (its status is that replica's entry);
     #: children are named after it (api/names.py).
     replica: int = 0
+    #: metadata.annotations[vllmdp.io/restartedAt]: a new value asks for new engines.
+    restarted_at: str = ""
+    #: The resource's status.observedGeneration: the generation the last reconcile saw.
+    seen_generation: int = 0
+
+    @property
+    def asked(self) -> str:
+        """What the user asks for now, as a cluster's vllmdp.io/accepted annotation says it."""
+        return f"{self.generation}/{self.restarted_at}"
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Resource:
@@ -36,6 +45,9 @@ class Resource:
             generation=int(meta.get("generation") or 0),
             spec=body.get("spec") or {},
             status=body.get("status") or {},
+            restarted_at=str((meta.get("annotations") or {}).get(c.ANNOTATION_RESTARTED_AT)
+                             or ""),
+            seen_generation=int((body.get("status") or {}).get("observedGeneration") or 0),
         )
 
 

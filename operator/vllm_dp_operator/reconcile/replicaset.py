@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from typing import Any
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api.models import UpdateStrategy
-from vllm_dp_operator.reconcile.status import parse_rfc3339
 from vllm_dp_operator.reconcile.update import HOLD_FOR_TURN
 
 #: The keys of a replica's status entry (`api/models.ReplicaStatus`), besides `index`.
@@ -98,19 +96,6 @@ def decide(want: int, existing: Mapping[int, ReplicaView]) -> SetStep:
     return SetStep(sorted(run + added), sorted(leaving + chosen), chosen, added)
 
 
-def drain_over(leaving: str | None, drain_seconds: int, running: int | None,
-               now: datetime) -> tuple[bool, str]:  # fmt: skip
-    """Whether a leaving replica's drain is over: its engines report no request running or
-    waiting (read after it left the slice), or spec.update.drainSeconds passed; and why."""
-    since = parse_rfc3339(leaving) or now
-    if running == 0:
-        return True, "its engines report no request running or waiting"
-    if now >= since + timedelta(seconds=drain_seconds):
-        return True, f"its drain of {drain_seconds}s (spec.update.drainSeconds) ended"
-    detail = "running requests unknown" if running is None else f"{running} request(s) running"
-    return False, f"draining since {leaving} ({detail}; at most {drain_seconds}s)"
-
-
 def entry(index: int, doc: Mapping[str, Any], routed: bool, updated: bool,
           leaving: str | None = None) -> dict[str, Any]:  # fmt: skip
     """A replica's status entry from its reconcile's status document: only the entry's keys,
@@ -158,6 +143,17 @@ def availability(want: int, entries: Sequence[Mapping[str, Any]]
                       for e in troubled[:3])  # fmt: skip
     more = f"; and {len(troubled) - 3} more" if len(troubled) > 3 else ""
     return available, (True, c.REASON_REPLICA_DEGRADED, f"{count}: {named}{more}")
+
+
+def settled(entry: Mapping[str, Any]) -> bool:
+    """Whether a replica's update is over, for the operator-wide update slot: it runs what
+    the spec asks for and serves or has failed since, or its Surge failed (status.failedUpdate)
+    and none runs."""
+    if entry.get("update"):
+        return False
+    if entry.get("updated"):
+        return bool(entry.get("routed") or int(entry.get("consecutiveFailures") or 0) > 0)
+    return bool(entry.get("failedUpdate"))
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,26 @@ from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, Kube
-from vllm_dp_operator.engines.headjobs import head_pod_of, probed_gone
+from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of, probed_gone
 from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.engines.prober import EngineProbes, Target
+from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.engines.transport import PROBES_OFF
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.routing import Router, while_not_ready
 from vllm_dp_operator.reconcile.status import condition_status
-from vllm_dp_operator.reconcile.update import Decision, Generation, Wanted, decide, switched
+from vllm_dp_operator.reconcile.update import (
+    DRAINING,
+    HOLD_FOR_SLOT,
+    HOLD_FOR_TURN,
+    Decision,
+    Draining,
+    Generation,
+    Wanted,
+    decide,
+    switched,
+)
 from vllm_dp_operator.render.headjob import job_hash
 
 Obj = dict[str, Any]
@@ -51,9 +62,25 @@ def shape_of(cluster: Obj, rendered_name: str, rendered_shape: str) -> str:
     return rendered_shape if cluster["metadata"]["name"] == rendered_name else ""
 
 
+def legacy_accepted(res: Resource) -> str | None:
+    """What a cluster made before the `vllmdp.io/accepted` annotation was accepted for: the
+    generation the last reconcile saw, unless an update was under way or pending then."""
+    if not res.seen_generation or res.status.get("update"):
+        return None
+    if condition_status(res.status.get("conditions") or [], c.COND_UPDATED) == "False":
+        return None
+    return f"{res.seen_generation}/"
+
+
+def accepted_of(cluster: Obj, legacy: str | None) -> str | None:
+    """The resource's `<generation>/<restartedAt>` a cluster was accepted for."""
+    annotations: dict[str, str] = cluster["metadata"].get("annotations") or {}
+    return annotations.get(c.ANNOTATION_ACCEPTED, legacy)
+
+
 def serving_generation(
     status: dict[str, Any], clusters: list[Obj], jobs: list[Obj], rendered_name: str,
-    rendered_shape: str,
+    rendered_shape: str, legacy: str | None = None,
 ) -> Generation | None:  # fmt: skip
     """The generation that served last and still runs: its head job live, its cluster there."""
     name = status.get("servedJob")
@@ -67,7 +94,8 @@ def serving_generation(
     if cluster is None or cluster_name is None:
         return None
     return Generation(cluster_name, shape_of(cluster, rendered_name, rendered_shape),
-                      _labels(job).get(c.LABEL_JOB_HASH) or "")  # fmt: skip
+                      _labels(job).get(c.LABEL_JOB_HASH) or "",
+                      accepted_of(cluster, legacy))  # fmt: skip
 
 
 class Shadow:
@@ -208,9 +236,48 @@ def _last_seen(status: dict[str, Any]) -> str:
     return detail if sep else ""
 
 
+async def drained_state(
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, clusters: list[Obj],
+    jobs: list[Obj], probes: EngineProbes,
+) -> Draining | None:  # fmt: skip
+    """While a Surge's old generation drains: its engines' requests, read by a probe target
+    of its own (so the first /metrics read comes after the switch), and whether a head job of
+    it still runs. None when no generation drains."""
+    record = res.status.get("update") or {}
+    if record.get("phase") != DRAINING:
+        return None
+    old = str(record["from"])
+    left = [j for j in _live(jobs) if _labels(j).get(c.LABEL_CLUSTER) == old]
+    if not left:
+        return Draining(None, False)
+    head = head_pod_of(await kube.list(POD, res.namespace, names.head_pod_selector(old)))
+    if head is None:
+        return Draining(0, True)  # nothing runs there to drain
+    cluster = next((cl for cl in clusters if cl["metadata"]["name"] == old), None)
+    target = Target(res.namespace, res.name, names.head_service(old),
+                    _api_port(cluster, spec.service.port), left[-1]["metadata"]["name"], None,
+                    spec.api_key_secret_ref is not None, res.replica, draining=True,
+                    ranks=spec.data_parallel.size, head=head["metadata"].get("uid") or "")
+    reading = probes.reading(target)
+    return Draining(reading.in_flight() if reading is not None else None, True)
+
+
+async def stop_drained(
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, plan: Plan, cluster: str,
+    jobs: list[Obj], probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, st: StatusDoc,
+) -> None:  # fmt: skip
+    """One step towards stopping a drained generation's head jobs through the Ray job API
+    (vLLM's own shutdown, confirmed) before its cluster is deleted; it is no longer routed."""
+    head = head_pod_of(await kube.list(POD, res.namespace, names.head_pod_selector(cluster)))
+    flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster, head, st,
+                    Shadow().route)  # fmt: skip
+    left = [j for j in _live(jobs) if _labels(j).get(c.LABEL_CLUSTER) == cluster]
+    await flow.retire_all(left, f"RayCluster {cluster} drained after its update's switch")
+
+
 def decide_step(
     res: Resource, spec: VLLMDataParallelSpec, plan: Plan, desired: Obj, clusters: list[Obj],
-    jobs: list[Obj], st: StatusDoc, turn: str | None = None,
+    jobs: list[Obj], st: StatusDoc, turn: str | None = None, old_state: Draining | None = None,
 ) -> Decision:  # fmt: skip
     """This reconcile's step (update.decide), its record and condition written to the status.
     `turn`: the strategy a rolling update across replicas gives this replica now (Recreate,
@@ -226,20 +293,24 @@ def decide_step(
                                        res.replica),
         job_hash=lambda cluster: job_hash(plan, cluster),
         deadline_seconds=spec.launch.timeout_seconds, drain_seconds=spec.update.drain_seconds,
+        asked=res.asked,
     )  # fmt: skip
     status = dict(res.status)
-    serving = serving_generation(status, clusters, jobs, rendered, shape)
+    legacy = legacy_accepted(res)
+    serving = serving_generation(status, clusters, jobs, rendered, shape, legacy)
     live = {cl["metadata"]["name"]: shape_of(cl, rendered, shape) for cl in _live(clusters)}
+    accepted = {cl["metadata"]["name"]: accepted_of(cl, legacy) for cl in _live(clusters)}
     # A failed update says what its generation last did (the message the previous reconcile
     # wrote while it came up: its head job failing, its /health unanswered).
     step = decide(want, serving, live, status.get("update"), status.get("failedUpdate"), st.now,
-                  _last_seen(status))  # fmt: skip
+                  _last_seen(status), accepted, old_state)  # fmt: skip
     st.doc.update(update=step.record, failedUpdate=step.failed)
     for type_, reason, message in step.events:
         st.event(type_, reason, message)
     known = condition_status(st.doc["conditions"], c.COND_UPDATED) is not None
     rolling = spec.update.strategy == UpdateStrategy.ROLLING_UPDATE
-    if step.updated is not None and (strategy == UpdateStrategy.SURGE or rolling or known):
+    if step.updated is not None and (strategy in (UpdateStrategy.SURGE, HOLD_FOR_SLOT)
+                                     or rolling or known):
         st.cond(c.COND_UPDATED, *step.updated)
     if step.recheck is not None:
         st.recheck(step.recheck)
@@ -289,7 +360,7 @@ def _api_port(cluster: Obj | None, default: int) -> int:
 async def hold(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, owner: Obj, cluster: str,
     clusters: list[Obj], jobs: list[Obj], probes: EngineProbes, cfg: Config, st: StatusDoc,
-    turn: bool = False,
+    turn: str | None = None,
 ) -> None:  # fmt: skip
     """The serving generation serves on, untouched; nothing new starts (update.Mode.HOLD).
 
@@ -301,7 +372,10 @@ async def hold(
                                              st, router.head_pod))  # fmt: skip
     record = st.doc.get("update")
     why = (f"the spec's change waits until {record['from']} has drained" if record
-           else "it waits for its turn in the rolling update across replicas" if turn
+           else "it waits for its turn in the rolling update across replicas"
+           if turn == HOLD_FOR_TURN
+           else "it waits for one of the operator's update slots (other resources update now)"
+           if turn == HOLD_FOR_SLOT
            else f"the update to job hash {st.doc.get('failedUpdate')} did not serve by its "
            "deadline (status.failedUpdate); a new spec change tries again")  # fmt: skip
     overlay_hold(st, cluster, served, routed, why)

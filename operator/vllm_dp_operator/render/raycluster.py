@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
-from vllm_dp_operator import constants
+from vllm_dp_operator import __version__, constants
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
 from vllm_dp_operator.config import RenderOptions
@@ -264,18 +265,30 @@ def _with_replica(body: dict[str, Any], instance: str, replica: int) -> None:
         template["spec"].setdefault("topologySpreadConstraints", _spread(instance))
 
 
-def _shape(body: dict[str, Any], queue_labels: dict[str, str]) -> str:
+def _shape(body: dict[str, Any], queue_labels: dict[str, str], restart: str = "") -> str:
     # The queue labels are read when the cluster is admitted or its pods made: another queue
-    # means another cluster. Without any the hash is what it always was (no cluster renamed).
-    return names.content_hash({**body, "scheduling": queue_labels} if queue_labels else body)
+    # means another cluster; a restart (vllmdp.io/restartedAt) means new pods. Without either
+    # the hash is what it always was (no cluster renamed).
+    extra: dict[str, Any] = {"scheduling": queue_labels} if queue_labels else {}
+    if restart:
+        extra["restartedAt"] = restart
+    return names.content_hash({**body, **extra})
 
 
 def cluster_hash(
-    instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions
-) -> str:
+    instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions,
+    restart: str = "",
+) -> str:  # fmt: skip
     """Hash of everything that shapes the pods; a new value means a new RayCluster."""
     body = _cluster_spec(instance, spec, plan, options)
-    return _shape(body, scheduling_labels(spec.scheduling))
+    return _shape(body, scheduling_labels(spec.scheduling), restart)
+
+
+def rendered_with(spec: VLLMDataParallelSpec, options: RenderOptions) -> str:
+    """The operator-wide inputs a cluster is rendered with, as its annotation says them."""
+    return json.dumps({"image": spec.image or options.default_image, "operator": __version__,
+                       "rayVersion": options.ray_version, "socketIfname": options.socket_ifname,
+                       "fsGroup": options.fs_group}, sort_keys=True)  # fmt: skip
 
 
 def build_raycluster(
@@ -286,11 +299,14 @@ def build_raycluster(
     options: RenderOptions,
     owner: dict[str, Any] | None,
     replica: int = 0,
+    asked: str = "",
+    restart: str = "",
 ) -> dict[str, Any]:
-    """One replica's RayCluster manifest for a plan; its name carries the shape hash."""
+    """One replica's RayCluster manifest for a plan; its name carries the shape hash. `asked`:
+    the resource's `<generation>/<restartedAt>` it is made for; `restart`: its restartedAt."""
     body = _cluster_spec(instance, spec, plan, options)
     queue_labels = scheduling_labels(spec.scheduling)
-    shape = _shape(body, queue_labels)
+    shape = _shape(body, queue_labels, restart)
     labels = {
         **queue_labels,
         **names.instance_labels(instance, constants.COMPONENT_ENGINE),
@@ -307,6 +323,14 @@ def build_raycluster(
         "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
         "kind": "RayCluster",
         "metadata": metadata(names.raycluster(instance, shape, replica), namespace, labels,
-                             owner),
+                             owner, _annotations(spec, options, asked)),
         "spec": body,
     }
+
+
+def _annotations(spec: VLLMDataParallelSpec, options: RenderOptions, asked: str
+                 ) -> dict[str, str]:  # fmt: skip
+    out = {constants.ANNOTATION_RENDERED_WITH: rendered_with(spec, options)}
+    if asked:
+        out[constants.ANNOTATION_ACCEPTED] = asked
+    return out

@@ -1,0 +1,120 @@
+"""An operator upgrade restarts nothing, and restarts the user asks for go a few at a time.
+
+Twenty resources serve (kwok GPU nodes of their own, vLLM's /health double in the pod
+network). The operator is stopped and started again with another default engine image, NIC
+name and fsGroup, as `helm upgrade --set engineImage=...,socketIfname=...,engineFsGroup=...`
+would: no RayCluster is replaced (uids compared, polled every 2 s for
+VLLMDP_UPGRADE_HOLD_SECONDS, 60 by default). Then five resources get `vllmdp.io/restartedAt`:
+exactly those five get new RayClusters, with the new defaults, and no more than the
+operator's update slots (the default 10 % of 20: two) update at any poll.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fleet import get, own_nodes, small
+from operator_proc import OperatorProcess, install_crd
+from scenario import double_in_pod_network
+from vllm_dp_operator import constants as c
+
+pytestmark = pytest.mark.reliability
+
+COUNT, RESTARTED, SLOTS = 20, 5, 2
+HOLD = float(os.environ.get("VLLMDP_UPGRADE_HOLD_SECONDS") or 60)
+UPGRADE = {"VLLMDP_ENGINE_IMAGE": "vllm-dp-engine:0.2.0", "VLLMDP_SOCKET_IFNAME": "ens5",
+           "VLLMDP_ENGINE_FS_GROUP": "3000"}  # fmt: skip
+
+
+def clusters(testbed: Any, ns: str) -> dict[str, tuple[str, str]]:
+    """Each resource's live RayCluster: (name, uid)."""
+    out = {}
+    for cl in get(testbed, ns, "rayclusters"):
+        meta = cl["metadata"]
+        if not meta.get("deletionTimestamp"):
+            out[meta["labels"][c.LABEL_INSTANCE]] = (meta["name"], meta["uid"])
+    return out
+
+
+def serving(testbed: Any, ns: str) -> dict[str, dict[str, Any]]:
+    """The status of each resource that serves (routed, one replica ready)."""
+    return {o["metadata"]["name"]: o["status"] for o in get(testbed, ns, "vdp")
+            if (o.get("status") or {}).get("phase") == "Serving"
+            and o["status"].get("readyReplicas") == 1}  # fmt: skip
+
+
+def start(testbed: Any, ns: str, log: Path, extra: dict[str, str] | None = None
+          ) -> OperatorProcess:  # fmt: skip
+    op = OperatorProcess(testbed.env(), log, extra)
+    op.namespace = ns
+    op.start()
+    return op
+
+
+def wait(testbed: Any, op: OperatorProcess, what: str, check: Any, timeout: float) -> None:
+    """Poll every second; a timeout says what the operator logged last."""
+    try:
+        testbed.wait_until(what, check, timeout=timeout, interval=1)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\noperator log:\n{op.log_tail()}") from None
+
+
+def test_an_operator_upgrade_replaces_nothing_and_restarts_take_turns(
+    testbed: Any, testbed_namespace: str, tmp_path: Path
+) -> None:
+    ns, log = testbed_namespace, tmp_path / "operator.log"
+    install_crd(testbed)
+    with own_nodes(testbed, ns, COUNT * 2), \
+            double_in_pod_network(testbed, "health_server.py", 8000):  # fmt: skip
+        op = start(testbed, ns, log)
+        try:
+            testbed.apply([small(ns, f"r{i:02d}") for i in range(COUNT)])
+            wait(testbed, op, f"{COUNT} resources Serving",
+                 lambda: len(serving(testbed, ns)) == COUNT, 300)
+            before = clusters(testbed, ns)
+            assert len(before) == COUNT
+        finally:
+            op.stop()
+
+        op = start(testbed, ns, log, UPGRADE)
+        try:
+            ends = time.monotonic() + HOLD
+            while time.monotonic() < ends:
+                now = clusters(testbed, ns)
+                replaced = {n: (before[n], now.get(n)) for n in before if now.get(n) != before[n]}
+                assert not replaced, f"replaced after the upgrade: {replaced}\n{op.log_tail()}"
+                time.sleep(2)
+            assert len(serving(testbed, ns)) == COUNT
+
+            names = [f"r{i:02d}" for i in range(RESTARTED)]
+            for name in names:
+                testbed.kubectl("-n", ns, "annotate", "vdp", name,
+                                f"{c.ANNOTATION_RESTARTED_AT}=2026-12-06T10:00:00Z")
+            most = 0
+
+            def restarted() -> bool:
+                nonlocal most
+                objs = {o["metadata"]["name"]: o.get("status") or {}
+                        for o in get(testbed, ns, "vdp")}  # fmt: skip
+                most = max(most, sum(1 for st in objs.values() if st.get("rollout")))
+                now, up = clusters(testbed, ns), serving(testbed, ns)
+                return all(now.get(n) not in (None, before[n]) and n in up
+                           and not objs[n].get("rollout") for n in names)  # fmt: skip
+
+            wait(testbed, op, f"{RESTARTED} restarted resources serving again", restarted, 300)
+            assert 1 <= most <= SLOTS, f"{most} resources updated at once"
+            now = clusters(testbed, ns)
+            assert {n for n in before if now.get(n) != before[n]} == set(names)
+            for cl in get(testbed, ns, "rayclusters"):
+                labels = cl["metadata"]["labels"]
+                if labels[c.LABEL_INSTANCE] in names and not cl["metadata"].get(
+                        "deletionTimestamp"):
+                    image = cl["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+                    assert image["image"] == UPGRADE["VLLMDP_ENGINE_IMAGE"]
+            assert len(serving(testbed, ns)) == COUNT
+        finally:
+            op.stop()
