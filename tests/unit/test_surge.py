@@ -268,3 +268,32 @@ async def test_recreate_still_relaunches_on_the_same_pods() -> None:
     await w.step()
     assert cluster_names(w) == [old] and "update" not in w.status
     assert not w.routed()  # Recreate: the old engines stop, serving pauses
+
+
+async def test_a_switch_whose_status_write_was_lost_goes_on_from_the_slice() -> None:
+    # The leader patched the slice to the new head, then died before its status write: the
+    # successor reads a status that still says Starting. Issue 38, item 7.
+    w = await serving(surge())
+    [old] = cluster_names(w)
+    w.update(surge(engineArgs=["--max-model-len", "4096"]))
+    await w.step()
+    new = w.status["update"]["to"]
+    w.cluster_ready()
+    await w.step(5)
+    w.run("demo-j00002")
+    before = dict(w.status)
+    await w.step(5)
+    assert routed_to(w) == new and w.status["update"]["phase"] == "Draining"
+    w.status = before  # the status write never landed
+    assert w.status["update"]["phase"] == "Starting"
+    writes = len(w.kube.writes)
+    slices = []
+    for _ in range(3):
+        await w.step(1)
+        slices.append(routed_to(w))
+    assert slices == [new, new, new]
+    # Never back to the old head, not even for a moment within a reconcile.
+    assert [x for x in w.kube.writes[writes:] if x[1] == "endpointslices"] == []
+    assert w.status["update"]["phase"] == "Draining"
+    assert w.status["servedJob"] == "demo-j00002" and w.status["rayCluster"] == new
+    assert old in cluster_names(w)  # it drains, as after any switch

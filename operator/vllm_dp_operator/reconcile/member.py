@@ -195,6 +195,10 @@ async def reconcile_replica(
     ns = res.namespace
     desired = build_raycluster(res.name, ns, spec, plan, cfg.render, owner, res.replica,
                                res.asked, res.restarted_at)  # fmt: skip
+    res = await surge.recover_switch(kube, res, jobs, st.now)
+    if res.status.get("update") != st.doc.get("update"):
+        st.doc.update({k: res.status.get(k) for k in (
+            "update", "servedJob", "headJob", "servedHeadPod", "rayCluster")})
     old_state = await surge.drained_state(kube, res, spec, clusters, jobs, probes)
     step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st, turn, old_state)
     if step.stop is not None:

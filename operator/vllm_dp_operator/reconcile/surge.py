@@ -11,6 +11,8 @@ keeps it in a slot of its own beside the new generation's), as the data plane's 
 
 from __future__ import annotations
 
+import dataclasses
+from datetime import datetime
 from typing import Any
 
 from vllm_dp_launcher.stages import ANSWERED
@@ -19,7 +21,7 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, Kube
+from vllm_dp_operator.controller.kube import ENDPOINTSLICE, POD, RAYCLUSTER, RAYJOB, Kube
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of, probed_gone
 from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.engines.prober import EngineProbes, Target
@@ -33,6 +35,7 @@ from vllm_dp_operator.reconcile.update import (
     DRAINING,
     HOLD_FOR_SLOT,
     HOLD_FOR_TURN,
+    STARTING,
     Decision,
     Draining,
     Generation,
@@ -234,6 +237,35 @@ def _last_seen(status: dict[str, Any]) -> str:
         return ""
     _, sep, detail = str(status.get("message") or "").partition(_updating_to(str(new)))
     return detail if sep else ""
+
+
+async def recover_switch(kube: Kube, res: Resource, jobs: list[Obj], now: datetime
+                         ) -> Resource:  # fmt: skip
+    """The resource as the switch left it, where the slice shows a switch its status does not
+    (the leader died between the slice's patch and the status write). The slice is what
+    kube-proxy routes by: the successor goes on draining the old generation, never unroutes
+    the new head to route the old one again."""
+    record = res.status.get("update") or {}
+    if record.get("phase") != STARTING:
+        return res
+    current = await kube.get(ENDPOINTSLICE, res.namespace, names.endpoint_slice(res.name))
+    for endpoint in (current or {}).get("endpoints") or []:
+        ref = endpoint.get("targetRef") or {}
+        if not (endpoint.get("conditions") or {}).get("ready") or not ref.get("name"):
+            continue
+        pod = await kube.get(POD, res.namespace, ref["name"])
+        if pod is None or names.replica_of(pod) != res.replica or \
+                _labels(pod).get(c.LABEL_RAY_CLUSTER) != record.get("to"):  # fmt: skip
+            continue
+        new_jobs = [j for j in _live(jobs) if _labels(j).get(c.LABEL_CLUSTER) == record["to"]]
+        if not new_jobs:
+            return res
+        served = max(new_jobs, key=lambda j: int(_labels(j).get(c.LABEL_ATTEMPT) or 0))
+        status = {**res.status, "update": switched(record, now),
+                  "servedJob": served["metadata"]["name"], "headJob": served["metadata"]["name"],
+                  "servedHeadPod": pod["metadata"].get("uid"), "rayCluster": record["to"]}
+        return dataclasses.replace(res, status=status)
+    return res
 
 
 async def drained_state(
