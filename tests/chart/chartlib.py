@@ -70,15 +70,23 @@ def template_args(
     return args
 
 
+#: What a Kubernetes 1.30+ API server serves and helm's defaults lack.
+VAP_API = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
+
+
 def render(
     values_files: Sequence[Path] = (),
     set_values: Sequence[str] = (),
     release: str = DEFAULT_RELEASE,
     namespace: str = DEFAULT_NAMESPACE,
     include_crds: bool = False,
+    api_versions: Sequence[str] = (VAP_API,),
 ) -> list[dict[str, Any]]:
-    """`helm template` the chart and return its objects (CRDs only when asked)."""
+    """`helm template` the chart and return its objects (CRDs only when asked), as for a
+    cluster that serves `api_versions` besides helm's defaults (by default, Kubernetes 1.30+'s
+    ValidatingAdmissionPolicy)."""
     extra = ["--include-crds"] if include_crds else []
+    extra += [f"--api-versions={v}" for v in api_versions]
     out = helm("template", *template_args(values_files, set_values, release, namespace), *extra)
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
@@ -90,6 +98,8 @@ def by_kind(objects: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]
 # --- RBAC --------------------------------------------------------------------------------
 
 RBAC_KINDS = ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount")
+#: The admission policy that fences the ServiceAccount, and its binding.
+FENCE_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
 
 @dataclass(frozen=True)
@@ -181,11 +191,13 @@ def apply_operator_identity(
     values_files: Sequence[Path] = (),
     set_values: Sequence[str] = (),
 ) -> OperatorIdentity:
-    """Render the chart and apply only its ServiceAccount, Roles and bindings.
+    """Render the chart and apply only its ServiceAccount, Roles and bindings, and the
+    admission policy that fences the ServiceAccount.
 
     `kubectl(*args, input=...)` runs kubectl as an administrator (e.g. `testbed.kubectl`).
     """
-    objects = rbac_objects(render(values_files, set_values, release, namespace))
+    rendered = render(values_files, set_values, release, namespace)
+    objects = rbac_objects(rendered) + [o for o in rendered if o.get("kind") in FENCE_KINDS]
     (sa,) = by_kind(objects, "ServiceAccount")
     kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
     return OperatorIdentity(release, namespace, sa["metadata"]["name"], tuple(objects))

@@ -219,7 +219,7 @@ def test_aggregated_roles_for_namespace_edit_and_view_users(
                                        "vllmdataparallels/scale")
                              for v in ("get", "list", "watch")}  # fmt: skip
     # Offered to the built-in roles, bound by no one: the operator gets none of it.
-    bound = {b["roleRef"]["name"] for b in objects if b["kind"].endswith("Binding")}
+    bound = {b["roleRef"]["name"] for b in objects if b["kind"].endswith("RoleBinding")}
     assert not bound & {editor["metadata"]["name"], viewer["metadata"]["name"]}
 
 
@@ -245,7 +245,7 @@ def test_no_lease_rbac_without_leader_election(helm_bin: str) -> None:
 def test_rbac_create_false_renders_no_rbac(helm_bin: str) -> None:
     objects = chartlib.render(set_values=("rbac.create=false",))
     assert not chartlib.grants(objects)
-    assert not [o for o in objects if o["kind"].endswith("Binding")]
+    assert not [o for o in objects if o["kind"].endswith("RoleBinding")]
 
 
 def test_bindings_point_at_the_chart_service_account(helm_bin: str) -> None:
@@ -256,7 +256,7 @@ def test_bindings_point_at_the_chart_service_account(helm_bin: str) -> None:
         assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == sa
         role_names = {(o["kind"], o["metadata"]["name"]) for o in objects
                       if o["kind"] in ("Role", "ClusterRole")}
-        for binding in [o for o in objects if o["kind"].endswith("Binding")]:
+        for binding in [o for o in objects if o["kind"].endswith("RoleBinding")]:
             assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa,
                                             "namespace": chartlib.DEFAULT_NAMESPACE}]
             ref = binding["roleRef"]

@@ -1,0 +1,32 @@
+"""The admission policy that fences the operator's ServiceAccount: shipped and on by default
+where the API server serves ValidatingAdmissionPolicy (1.30+), bound to the chart's own
+ServiceAccount only, and off with `admissionPolicy.enabled: false`. What it refuses is shown
+on a real API server (tests/controlplane/test_operator_least_privilege.py)."""
+
+from __future__ import annotations
+
+import chartlib
+
+
+def test_on_by_default_bound_to_the_chart_service_account_only() -> None:
+    objects = chartlib.render((), (), release="vdp", namespace="ops")
+    [policy] = chartlib.by_kind(objects, "ValidatingAdmissionPolicy")
+    [binding] = chartlib.by_kind(objects, "ValidatingAdmissionPolicyBinding")
+    [sa] = chartlib.by_kind(objects, "ServiceAccount")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    [match] = policy["spec"]["matchConditions"]
+    assert match["expression"] == (
+        f'request.userInfo.username == "system:serviceaccount:ops:{sa["metadata"]["name"]}"')
+    fenced = {r for rule in policy["spec"]["matchConstraints"]["resourceRules"]
+              for r in rule["resources"]}  # fmt: skip
+    assert fenced == {"rayclusters", "rayjobs", "services", "endpointslices",
+                      "networkpolicies"}
+
+
+def test_off_when_asked_and_absent_where_the_api_server_lacks_it() -> None:
+    off = chartlib.render((), ("admissionPolicy.enabled=false",))
+    assert not chartlib.by_kind(off, "ValidatingAdmissionPolicy")
+    older = chartlib.render((), (), api_versions=())
+    assert not chartlib.by_kind(older, "ValidatingAdmissionPolicy")
