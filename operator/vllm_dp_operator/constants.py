@@ -33,6 +33,8 @@ RESERVED_PORTS: Final = (
     (RAY_CLIENT_PORT, RAY_CLIENT_PORT, "the Ray client server on the head pod"),
     (10002, 19999, "Ray worker processes (ray start's default --min/max-worker-port range)"),
     (52365, 52365, "the Ray dashboard agent: KubeRay passes --dashboard-agent-listen-port=52365"),
+    (32768, 60999, "Linux's ephemeral ports (ip_local_port_range), where NCCL, Gloo, ZMQ and "
+     "Ray bind listeners at random on every Ray pod"),
 )
 
 # Name limits of the children, all named after the resource (KubeRay utils/constant.go and

@@ -177,6 +177,7 @@ INVALID = [
     ("service.port", {"service": {"port": 8080}}),
     ("service.port", {"service": {"port": 52365}}),
     ("service.port", {"service": {"port": 12345}}),
+    ("service.port", {"service": {"port": 40000}}),
     ("resources.cpu", {"dataParallel": {"size": 8, "ranksPerNode": 4}, "resources": {"cpu": "2"}}),
     ("env", {"env": [{"name": "VLLM_PORT", "value": "1"}]}),
     ("env", {"env": [{"name": "HF_TOKEN", "value": "hf_xxx"}]}),

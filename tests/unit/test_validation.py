@@ -303,6 +303,12 @@ INVALID: list[Any] = [
         id="dashboard-agent-port-named",
     ),
     pytest.param(
+        {"service": {"port": 40000}},
+        "spec.service.port",
+        "must not be 32768-60999: that port belongs to Linux's ephemeral ports",
+        id="ephemeral-port",
+    ),
+    pytest.param(
         {"launch": {"timeoutSeconds": 1}},
         "spec.launch.timeoutSeconds",
         "greater than or equal to 5",
