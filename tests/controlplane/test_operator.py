@@ -206,6 +206,9 @@ INVALID = [
     ("networkPolicy.enabled", {"networkPolicy": {"enabled": "no"}}),
     ("ray.auth", {"ray": {"auth": "disabled"}, "networkPolicy": {"enabled": False}}),
     ("update.servingCheck", {"update": {"servingCheck": "Ping"}}),
+    ("update.maxSurge", {"update": {"maxSurge": "lots"}}),
+    ("update.maxUnavailable", {"update": {"strategy": "RollingUpdate",
+                                          "maxUnavailable": "0%", "maxSurge": 0}}),
 ]
 
 
@@ -220,6 +223,23 @@ def test_api_server_rejects_invalid_resource_naming_the_field(
     proc = testbed.kubectl("create", "-f", "-", input=yaml.safe_dump(doc), check=False)
     assert proc.returncode != 0, f"accepted an invalid resource: {spec}"
     assert f"spec.{field}" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("update", [
+    {"strategy": "RollingUpdate", "maxUnavailable": "25%", "maxSurge": "50%"},
+    {"strategy": "RollingUpdate", "maxUnavailable": 0, "maxSurge": "1%"},
+    {"servingCheck": "Embedding"},
+])  # fmt: skip
+def test_api_server_accepts_percentages_and_serving_checks(
+    testbed: Any, operator: OperatorProcess, update: dict[str, Any]
+) -> None:
+    spec = {"model": "m", "dataParallel": {"size": 4, "ranksPerNode": 2}, "replicas": 4,
+            "update": update}
+    doc = {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+           "metadata": {"name": "good", "namespace": "default"}, "spec": spec}
+    proc = testbed.kubectl("create", "--dry-run=server", "-f", "-",
+                           input=yaml.safe_dump(doc), check=False)
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.stem)

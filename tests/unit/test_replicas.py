@@ -8,6 +8,7 @@ import pytest
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.crd import build_crd
+from vllm_dp_operator.api.models import resolve_count
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import RenderOptions
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, SERVICE
@@ -348,3 +349,19 @@ async def test_a_suspended_resource_scaled_down_makes_no_slice_and_waits_for_no_
     live = [cl["metadata"]["name"] for cl in w.clusters()
             if not cl["metadata"].get("deletionTimestamp")]  # fmt: skip
     assert len(live) == 1 and not live[0].endswith("-r1")
+
+
+@pytest.mark.parametrize(("value", "total", "up", "count"), [
+    (2, 10, False, 2), ("25%", 10, False, 2), ("25%", 10, True, 3), ("10%", 3, False, 0),
+    ("10%", 3, True, 1), ("100%", 4, False, 4), ("0%", 4, True, 0),
+])  # fmt: skip
+def test_percentages_round_as_a_deployment_rounds_them(value: int | str, total: int, up: bool,
+                                                       count: int) -> None:  # fmt: skip
+    assert resolve_count(value, total, round_up=up) == count
+
+
+def test_percentages_pass_validation_and_accept_the_api_servers_forms() -> None:
+    raw = spec(replicas=4, update={"strategy": "RollingUpdate", "maxUnavailable": "25%",
+                                   "maxSurge": "50%"})  # fmt: skip
+    model = validate("demo", raw)
+    assert (model.update.max_unavailable, model.update.max_surge) == ("25%", "50%")

@@ -212,6 +212,13 @@ RESERVED_CASES = [
 
 INVALID: list[Any] = [
     # Cross-field rules (validation.RULES).
+    pytest.param({"update": {"maxSurge": "lots"}}, "spec.update.maxSurge",
+                 "or a percentage of spec.replicas", id="surge-not-a-percentage"),
+    pytest.param({"update": {"maxUnavailable": 101}}, "spec.update.maxUnavailable",
+                 "must be a count of replicas from 0 to 100", id="unavailable-too-many"),
+    pytest.param({"update": {"strategy": "RollingUpdate", "maxUnavailable": "0%",
+                             "maxSurge": 0}}, "spec.update.maxUnavailable",
+                 "may not both be 0", id="rolling-both-zero-percent"),
     pytest.param(
         {"ray": {"auth": "disabled"}, "networkPolicy": {"enabled": False}},
         "spec.ray.auth",

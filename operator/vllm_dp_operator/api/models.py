@@ -6,7 +6,15 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -28,6 +36,35 @@ def _json_integer(value: Any) -> Any:
 
 #: An integer field as the API server reads one. The JSON schema is plain `integer`.
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+#: A count of replicas or a percentage of spec.replicas (`25%`), as a Deployment's
+#: maxSurge and maxUnavailable.
+PERCENT_PATTERN = r"^[0-9]+%$"
+
+
+def _int_or_percent(value: Any) -> Any:
+    # Its range and its percentage's form are rules (api/validation.py), as in the CRD's CEL.
+    return value if isinstance(value, str) else _json_integer(value)
+
+
+def int_or_percent_ok(value: int | str) -> bool:
+    """A count of 0 to MAX_REPLICAS, or a percentage."""
+    if isinstance(value, str):
+        return re.fullmatch(PERCENT_PATTERN, value) is not None
+    return 0 <= value <= constants.MAX_REPLICAS
+
+
+IntOrPercent = Annotated[int | str, BeforeValidator(_int_or_percent),
+                         WithJsonSchema({"x-kubernetes-int-or-string": True})]
+
+
+def resolve_count(value: int | str, total: int, round_up: bool) -> int:
+    """A count, or a percentage of `total` rounded as a Deployment rounds it (maxSurge up,
+    maxUnavailable down)."""
+    if isinstance(value, int):
+        return value
+    share = int(value[:-1]) * total
+    return -(-share // 100) if round_up else share // 100
 #: 1 to 64 as an optional field needs it: constraints inside, so the schema has min/max.
 JsonCount = Annotated[int, Field(ge=1, le=64), BeforeValidator(_json_integer)]
 #: A boolean field as the API server reads one: true or false, never "false" or 0.
@@ -216,20 +253,18 @@ class UpdateSpec(ApiModel):
         "updating by Surge beside their old group; the others keep serving what they run until "
         "their turn. With maxSurge 0 no extra GPUs are held.",
     )
-    max_unavailable: JsonInt = Field(
+    max_unavailable: IntOrPercent = Field(
         default=1,
-        ge=0,
-        le=constants.MAX_REPLICAS,
-        description="RollingUpdate: replicas that may be unrouted for the update at a time "
+        description="RollingUpdate: replicas (or a percentage of spec.replicas, rounded down) "
+        "that may be unrouted for the update at a time "
         "(each updated by Recreate: its engines stop, then the new ones start on its GPUs). "
         "The Service keeps at least replicas - maxUnavailable routed replicas, counting any "
         "that are down for other reasons.",
     )
-    max_surge: JsonInt = Field(
+    max_surge: IntOrPercent = Field(
         default=0,
-        ge=0,
-        le=constants.MAX_REPLICAS,
-        description="RollingUpdate: replicas that may update at a time by Surge (a second "
+        description="RollingUpdate: replicas (or a percentage of spec.replicas, rounded up) "
+        "that may update at a time by Surge (a second "
         "group beside the serving one, switched once it serves), each holding a second "
         "group's GPUs meanwhile.",
     )

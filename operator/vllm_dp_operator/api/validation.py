@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.api.models import (
+    PERCENT_PATTERN,
     LabelSelector,
     PackStrategy,
     RayAuth,
@@ -18,6 +19,7 @@ from vllm_dp_operator.api.models import (
     SelectorOperator,
     UpdateStrategy,
     VLLMDataParallelSpec,
+    int_or_percent_ok,
 )
 from vllm_dp_operator.api.quantity import quantity_value
 
@@ -230,16 +232,35 @@ def _scheduler_in(*names: str) -> str:
     return f"({default} || self.scheduling.schedulerName in [{listed}])"
 
 
+def _zero(cel: str) -> str:
+    """CEL: an int-or-percent field is 0 or 0%."""
+    return f"(type({cel}) == string ? {cel}.matches('^0+%$') : {cel} == 0)"
+
+
+def _is_zero(value: int | str) -> bool:
+    return value == 0 or (isinstance(value, str) and re.fullmatch(r"0+%", value) is not None)
+
+
 # Which scheduler reads which setting: KubeRay v1.6.2's plugins and Kueue (docs/scheduling.md).
 SCHEDULING_RULES: tuple[Rule, ...] = (
+    *(Rule(
+        field=f"update.{name}",
+        cel=f"type(self.update.{name}) == string ? "
+        f"self.update.{name}.matches('{PERCENT_PATTERN}') : "
+        f"(self.update.{name} >= 0 && self.update.{name} <= {constants.MAX_REPLICAS})",
+        message=f"must be a count of replicas from 0 to {constants.MAX_REPLICAS}, or a "
+        "percentage of spec.replicas such as 25%",
+        holds=lambda s, attr=attr: int_or_percent_ok(getattr(s.update, attr)),
+    ) for name, attr in (("maxUnavailable", "max_unavailable"), ("maxSurge", "max_surge"))),
     Rule(
         field="update.maxUnavailable",
         cel="self.update.strategy != 'RollingUpdate' || "
-        "self.update.maxUnavailable + self.update.maxSurge >= 1",
+        "!(" + _zero("self.update.maxUnavailable") + " && " + _zero("self.update.maxSurge")
+        + ")",
         message="maxUnavailable and maxSurge may not both be 0 with strategy RollingUpdate: "
         "no replica could ever update",
         holds=lambda s: s.update.strategy != UpdateStrategy.ROLLING_UPDATE
-        or s.update.max_unavailable + s.update.max_surge >= 1,
+        or not (_is_zero(s.update.max_unavailable) and _is_zero(s.update.max_surge)),
     ),
     Rule(
         field="scheduling.queueName",

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
-from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec, resolve_count
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import controller_uid
@@ -264,8 +264,10 @@ def _turns(spec: VLLMDataParallelSpec, run: list[int], before: dict[int, dict[st
         surging = (prev.get("update") or {}).get("phase") is not None
         turns.append(replicaset.Turn(index, outdated(index), bool(prev.get("routed")),
                                      surging))  # fmt: skip
-    return replicaset.rollout(spec.replicas, turns, spec.update.max_unavailable,
-                              spec.update.max_surge)  # fmt: skip
+    down = resolve_count(spec.update.max_unavailable, spec.replicas, round_up=False)
+    surge = resolve_count(spec.update.max_surge, spec.replicas, round_up=True)
+    # As a Deployment: percentages that both come to 0 still let one replica at a time go.
+    return replicaset.rollout(spec.replicas, turns, down if down or surge else 1, surge)
 
 
 def _scaled(step: replicaset.SetStep, want: int) -> str:
