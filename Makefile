@@ -17,7 +17,7 @@ NODES ?=
 
 .PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
-        cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes \
+        cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes bench-metrics-flood \
         image engine-image kind-build e2e-kind e2e-kind-down images images-smoke builds \
         build-lane-k8s build-lane-tools build-lane-images netpol-build
 
@@ -155,6 +155,9 @@ bench-serving: ## P7 of docs/benchmarks.md: 1,000 resources Serving, then hung e
 
 bench-probes: ## P7b of docs/benchmarks.md: the probes alone in cluster-DNS mode at 1,000 resources' full cadence (no bed, ~16 min); last line is one JSON object
 	$(BIN)/python bench/probe_cost.py $(BENCH_ARGS)
+
+bench-metrics-flood: ## P8 of docs/benchmarks.md: 50 engines answering a 4 MiB /metrics of made-up ranks vs honest ones (no bed, ~5 min); last line is one JSON object
+	$(BIN)/python bench/metrics_flood.py $(BENCH_ARGS)
 
 images: $(BIN)/python ## Test-bed images, no Docker (root; `make image-<name>` for one); prints the archive paths
 	@$(HOSTREQS) ensure images

@@ -51,7 +51,8 @@ class FakeProbe:
         self.calls += 1
         return ProbeResult(self.ok, f"ok={self.ok}")
 
-    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+    async def engines(self, namespace: str, service: str, port: int,
+                      ranks: int = 0) -> EngineReading:
         return EngineReading({}, "no engines in this double")
 
 

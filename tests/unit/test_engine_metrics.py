@@ -81,3 +81,15 @@ def test_wanted_lines_are_found_anywhere_and_the_rest_is_skipped_unread() -> Non
         0: EngineLoad(0, running=2, waiting=1, kv_cache_usage=0.0),
         1: EngineLoad(1, running=3, waiting=0, kv_cache_usage=0.5),
     }
+
+
+def test_ranks_beyond_the_dp_size_are_skipped_before_their_labels_are_parsed() -> None:
+    # A tenant's exposition of made-up ranks (issue 39, item 4): only the planned ones count,
+    # and the others are not parsed at all (a label parse of each cost seconds at 4 MiB).
+    lines = [f'vllm:num_requests_running{{engine="{r}",model_name="m"}} {r}\n'
+             for r in range(5000)]  # fmt: skip
+    text = "".join(lines) + 'vllm:num_requests_running{engine="9999",bad="unterminated} 1\n'
+    loads = parse_engine_loads(text, ranks=4)
+    assert sorted(loads) == [0, 1, 2, 3] and loads[3].running == 3
+    with pytest.raises(ExpositionError):
+        parse_engine_loads(text)  # without the bound, the bad line is parsed (and refused)

@@ -41,7 +41,8 @@ class EngineDouble:
         finally:
             self.in_flight -= 1
 
-    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+    async def engines(self, namespace: str, service: str, port: int, ranks: int = 0
+                      ) -> EngineReading:  # fmt: skip
         self.reads.append(service)
         if service in self.unreadable:
             return EngineReading(None, f"{service} /metrics: HTTP 500")

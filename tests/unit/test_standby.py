@@ -31,7 +31,8 @@ class _Probe:
     async def check(self, namespace: str, service: str, port: int) -> ProbeResult:
         return ProbeResult(False, "double")
 
-    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
+    async def engines(self, namespace: str, service: str, port: int,
+                      ranks: int = 0) -> EngineReading:
         return EngineReading({}, "double")
 
 

@@ -103,19 +103,35 @@ def _wanted_lines(text: str) -> Iterator[str]:
             start = hit + 1 if hit >= 0 else -1
 
 
-def parse_engine_loads(text: str) -> dict[int, EngineLoad]:
-    """Per DP rank, the three wanted gauges; ranks that report none of them are absent.
+def _beyond(line: str, ranks: int) -> bool:
+    """Whether a line's `engine="N"` names a rank at or above `ranks`: skipped before its
+    labels are parsed, so an exposition of made-up ranks costs a `find` per line, in C."""
+    at = line.find('engine="')
+    if at < 0:
+        return False
+    end = line.find('"', at + 8)
+    digits = line[at + 8 : end] if end > 0 else ""
+    return digits.isdigit() and int(digits) >= ranks
+
+
+def parse_engine_loads(text: str, ranks: int = 0) -> dict[int, EngineLoad]:
+    """Per DP rank, the three wanted gauges; ranks that report none of them are absent, and
+    with `ranks` (the DP size) so are ranks at or above it.
 
     A rank missing one of the three reads 0 for it. When a family has several series for a
     rank (another label), the last one wins: vLLM reports these gauges once per engine.
     """
     found: dict[int, dict[str, float]] = {}
     for raw in _wanted_lines(text):
+        if ranks and _beyond(raw, ranks):
+            continue
         name, labels, value = _sample(raw)
         field = WANTED.get(name)
         engine = labels.get("engine")
         if field is None or engine is None or not engine.isdigit():
             continue  # e.g. vllm:num_requests_running_total, or a series of no engine
+        if ranks and int(engine) >= ranks:
+            continue
         found.setdefault(int(engine), {})[field] = value
     return {
         rank: EngineLoad(rank, int(v.get("running", 0)), int(v.get("waiting", 0)),

@@ -56,8 +56,10 @@ class HealthProbe(Protocol):
         """Probe once, within the probe's timeout."""
         ...
 
-    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
-        """Read the per-rank gauges from /metrics once, within the timeout and size cap."""
+    async def engines(self, namespace: str, service: str, port: int, ranks: int = 0
+                      ) -> EngineReading:  # fmt: skip
+        """Read the per-rank gauges from /metrics once, within the timeout and size cap;
+        with `ranks` (the DP size), only the ranks below it."""
         ...
 
     async def complete(
@@ -99,8 +101,10 @@ class TransportProbe:
         ok = answer.ok or (keyed and answer.status == 401)
         return ProbeResult(ok, answer.detail, 0 if ok else 1)
 
-    async def engines(self, namespace: str, service: str, port: int) -> EngineReading:
-        """Read the per-rank gauges, at most max_bytes of the exposition."""
+    async def engines(self, namespace: str, service: str, port: int, ranks: int = 0
+                      ) -> EngineReading:  # fmt: skip
+        """Read the per-rank gauges, at most max_bytes of the exposition; with `ranks`, only
+        the ranks below it (the others are skipped before their labels are parsed)."""
         answer = await self._transport.request(
             "GET", namespace, service, port, "/metrics", limit=self._max_bytes
         )
@@ -113,6 +117,7 @@ class TransportProbe:
         try:
             # Off the event loop: an exposition of a few MiB takes seconds of CPU to parse,
             # and the loop serves every other resource meanwhile.
-            return EngineReading(await asyncio.to_thread(parse_engine_loads, text), detail)
+            return EngineReading(await asyncio.to_thread(parse_engine_loads, text, ranks),
+                                 detail)  # fmt: skip
         except ExpositionError as exc:
             return EngineReading(None, f"{detail}: {exc}")

@@ -318,7 +318,8 @@ class ProbePool:
             if answer.ok:
                 if not entry.health.ok or self._metrics_due(entry):
                     entry.metrics_at = self._now()
-                    reading = await self._probe.engines(t.namespace, t.service, t.port)
+                    reading = await self._probe.engines(t.namespace, t.service, t.port,
+                                                        t.ranks)  # fmt: skip
                 if t.complete_model is not None and not (completion and completion.ok):
                     completion = await self._probe.complete(
                         t.namespace, t.service, t.port, t.complete_model, t.complete_keyed,
