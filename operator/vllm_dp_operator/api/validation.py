@@ -232,6 +232,11 @@ def _scheduler_in(*names: str) -> str:
     return f"({default} || self.scheduling.schedulerName in [{listed}])"
 
 
+def _int_or_percent_holds(attr: str) -> Callable[[VLLMDataParallelSpec], bool]:
+    """The Python side of an int-or-percent field's rule: update.<attr>."""
+    return lambda s: int_or_percent_ok(getattr(s.update, attr))
+
+
 def _zero(cel: str) -> str:
     """CEL: an int-or-percent field is 0 or 0%."""
     return f"(type({cel}) == string ? {cel}.matches('^0+%$') : {cel} == 0)"
@@ -250,7 +255,7 @@ SCHEDULING_RULES: tuple[Rule, ...] = (
         f"(self.update.{name} >= 0 && self.update.{name} <= {constants.MAX_REPLICAS})",
         message=f"must be a count of replicas from 0 to {constants.MAX_REPLICAS}, or a "
         "percentage of spec.replicas such as 25%",
-        holds=lambda s, attr=attr: int_or_percent_ok(getattr(s.update, attr)),
+        holds=_int_or_percent_holds(attr),
     ) for name, attr in (("maxUnavailable", "max_unavailable"), ("maxSurge", "max_surge"))),
     Rule(
         field="update.maxUnavailable",
