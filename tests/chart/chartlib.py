@@ -197,7 +197,8 @@ def apply_operator_identity(
     `kubectl(*args, input=...)` runs kubectl as an administrator (e.g. `testbed.kubectl`).
     """
     rendered = render(values_files, set_values, release, namespace)
-    objects = rbac_objects(rendered) + [o for o in rendered if o.get("kind") in FENCE_KINDS]
+    objects = rbac_objects(rendered) + [o for o in rendered if o.get("kind") in FENCE_KINDS
+                                        and o["metadata"]["name"].endswith("-fence")]
     (sa,) = by_kind(objects, "ServiceAccount")
     kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
     return OperatorIdentity(release, namespace, sa["metadata"]["name"], tuple(objects))

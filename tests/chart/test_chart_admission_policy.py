@@ -30,3 +30,18 @@ def test_off_when_asked_and_absent_where_the_api_server_lacks_it() -> None:
     assert not chartlib.by_kind(off, "ValidatingAdmissionPolicy")
     older = chartlib.render((), (), api_versions=())
     assert not chartlib.by_kind(older, "ValidatingAdmissionPolicy")
+
+
+def test_the_tenancy_policy_renders_the_chart_values_and_is_off_by_default() -> None:
+    assert not [o for o in chartlib.by_kind(chartlib.render(), "ValidatingAdmissionPolicy")
+                if o["metadata"]["name"].endswith("-tenancy")]  # fmt: skip
+    objects = chartlib.render((), ("tenancy.enabled=true", "engineImage=reg.example/vdp:1.2",
+                                   "tenancy.allowedPriorityClasses={gpu-high}"))
+    [policy] = [o for o in chartlib.by_kind(objects, "ValidatingAdmissionPolicy")
+                if o["metadata"]["name"].endswith("-tenancy")]  # fmt: skip
+    fields = [v["fieldPath"] for v in policy["spec"]["validations"]]
+    assert fields == ["spec.image", "spec.priorityClassName", "spec.serviceAccountName",
+                      "spec.service.type", "spec.service.annotations", "spec.env"]
+    image, priority = policy["spec"]["validations"][:2]
+    assert '["reg.example/vdp"]' in image["expression"]
+    assert '["gpu-high"]' in priority["expression"]

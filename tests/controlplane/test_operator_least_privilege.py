@@ -190,3 +190,60 @@ def test_the_fence_refuses_what_the_operator_never_writes(
             assert "-fence" in why, why  # the policy's name: {release}-vllm-dp-operator-fence
     finally:
         chartlib.delete_operator_identity(testbed.kubectl, identity)
+
+
+def test_the_tenancy_policy_refuses_each_ask_beyond_a_tenants_own_naming_the_field(
+    testbed: Any, testbed_namespace: str
+) -> None:
+    """A tenant with only `create` on vllmdataparallels, under the chart's tenancy policy
+    with its defaults: an image outside the allow-list, a Secret other than its refs, a
+    system priority class and a NodePort Service are each refused at admission, naming the
+    field; a resource within them is accepted (issue 39)."""
+    install_crd(testbed)
+    ns = testbed_namespace
+    rendered = chartlib.render((), ("tenancy.enabled=true",), "vdp-ten", ns)
+    policy = [o for o in rendered if o.get("kind") in chartlib.FENCE_KINDS
+              and o["metadata"]["name"].endswith("-tenancy")]  # fmt: skip
+    for obj in policy:  # on the shared bed, this test's namespace only
+        if obj["kind"] == "ValidatingAdmissionPolicyBinding":
+            obj["spec"]["matchResources"] = {"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": ns}}}
+    testbed.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(policy))
+    tenant = f"system:serviceaccount:{ns}:tenant"
+    testbed.kubectl("-n", ns, "create", "serviceaccount", "tenant")
+    testbed.kubectl("-n", ns, "create", "role", "vdp-creator", "--verb=create",
+                    "--resource=vllmdataparallels.vllmdp.io")
+    testbed.kubectl("-n", ns, "create", "rolebinding", "vdp-creator", "--role=vdp-creator",
+                    f"--serviceaccount={ns}:tenant")
+
+    def doc(**spec: Any) -> dict[str, Any]:
+        base = {"model": "m", "dataParallel": {"size": 2, "ranksPerNode": 2},
+                "apiKeySecretRef": {"name": "mine", "key": "k"}}
+        return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+                "metadata": {"name": "t", "namespace": ns}, "spec": {**base, **spec}}
+
+    def create(body: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return testbed.kubectl("create", "--dry-run=server", f"--as={tenant}", "-f", "-",
+                               input=yaml.safe_dump(body), check=False)
+
+    try:
+        for field, body in [
+            ("spec.image", doc(image="elsewhere/other:1")),
+            ("spec.env", doc(env=[{"name": "DB", "valueFrom": {"secretKeyRef": {
+                "name": "someone-elses", "key": "password"}}}])),
+            ("spec.priorityClassName", doc(priorityClassName="system-node-critical")),
+            ("spec.service.type", doc(service={"type": "NodePort"})),
+        ]:
+            def refused(b: dict[str, Any] = body) -> str:
+                proc = create(b)
+                assert proc.returncode != 0, f"accepted: {b['spec']}"
+                return proc.stderr if "tenancy policy" in proc.stderr else ""
+
+            why = testbed.wait_until(f"the tenancy policy to refuse {field}", refused, 30)
+            assert field in why and "-tenancy" in why, why
+        ok = create(doc(env=[{"name": "KEY", "valueFrom": {"secretKeyRef": {
+            "name": "mine", "key": "k"}}}]))
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        testbed.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                        input=yaml.safe_dump_all(policy))
