@@ -1,4 +1,5 @@
-"""`vllm-dp`: plan and render VLLMDataParallel resources offline, and print the CRD."""
+"""`vllm-dp`: plan and render VLLMDataParallel resources offline, print the CRD, and restart
+a resource through kubectl (also as the kubectl plugin `kubectl vllm-dp restart`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import yaml
@@ -174,10 +177,40 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
     render.set_defaults(func=cmd_render)
 
+    restart = sub.add_parser(
+        "restart", help="restart a resource's engines on new pods, as `kubectl rollout restart` "
+        "does (the vllmdp.io/restartedAt annotation, through kubectl)")
+    restart.add_argument("name", help="the VLLMDataParallel")
+    restart.add_argument("-n", "--namespace", help="its namespace (default: kubectl's)")
+    restart.add_argument("--kubectl", default=os.environ.get("KUBECTL") or "kubectl",
+                         help="the kubectl to run (default: $KUBECTL or kubectl)")
+    restart.set_defaults(func=cmd_restart)
+
     crd = sub.add_parser("crd", help="print the CustomResourceDefinition")
     crd.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
     crd.set_defaults(func=cmd_crd)
     return parser
+
+
+def cmd_restart(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Annotate the resource with the time now: the operator replaces its pods by its update
+    strategy (docs/updates.md#operator-upgrades-and-restarts)."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cmd = [args.kubectl, "annotate", f"{constants.PLURAL}.{constants.GROUP}", args.name,
+           "--overwrite", f"{constants.ANNOTATION_RESTARTED_AT}={now}"]  # fmt: skip
+    if args.namespace:
+        cmd[1:1] = ["--namespace", args.namespace]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        print(f"error: {args.kubectl}: {exc}", file=err)
+        return EXIT_ERROR
+    if proc.returncode != 0:
+        print(proc.stderr.strip() or f"error: kubectl exited {proc.returncode}", file=err)
+        return EXIT_ERROR
+    print(f"{constants.KIND} {args.name} restarting ({constants.ANNOTATION_RESTARTED_AT}={now})",
+          file=out)  # fmt: skip
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

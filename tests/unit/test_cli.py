@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import yaml
 from vllm_dp_operator.api.crd import build_crd
 from vllm_dp_operator.api.validation import validate
-from vllm_dp_operator.cli import main
+from vllm_dp_operator.cli import build_parser, main
 from vllm_dp_operator.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,3 +256,32 @@ def test_console_script_runs_without_a_cluster(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "4 x 8 nvidia.com/gpu = 32 GPUs" in result.stdout
+
+
+def test_restart_annotates_the_resource_through_kubectl(tmp_path: Path) -> None:
+    # A test double for kubectl: it records its arguments.
+    seen = tmp_path / "argv"
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {seen}\n')
+    kubectl.chmod(0o755)
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["restart", "demo", "-n", "team-a",
+                                      "--kubectl", str(kubectl)])  # fmt: skip
+    assert args.func(args, out, err) == 0, err.getvalue()
+    argv = seen.read_text().split("\n")
+    assert argv[:5] == ["--namespace", "team-a", "annotate", "vllmdataparallels.vllmdp.io",
+                        "demo"]
+    assert "--overwrite" in argv
+    [stamp] = [a for a in argv if a.startswith("vllmdp.io/restartedAt=")]
+    assert re.fullmatch(r"vllmdp\.io/restartedAt=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp)
+    assert "restarting" in out.getvalue()
+
+
+def test_restart_says_what_kubectl_said_when_it_fails(tmp_path: Path) -> None:
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text('#!/bin/sh\necho "Error from server (NotFound): not found" >&2\nexit 1\n')
+    kubectl.chmod(0o755)
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["restart", "gone", "--kubectl", str(kubectl)])
+    assert args.func(args, out, err) == 1
+    assert "NotFound" in err.getvalue()
