@@ -17,8 +17,10 @@ deleted. What the scenarios assert:
 - F. the head pod deleted: its endpoint leaves the slice within seconds, a relaunch serves
   again; the client's outage is measured (the one outage allowed);
 - C. an engine change (`--max-model-len`) under `spec.update.strategy: Surge`: 0 failed
-  requests, the slice never without a ready endpoint, on the old head until it moves to the
-  new one, the old RayCluster gone afterwards; the time from apply to switch is reported;
+  requests from a new-connection client and from a kept-alive one (the old generation drains
+  by its requests and its head job stops through Ray before its cluster goes), the slice never
+  without a ready endpoint, on the old head until it moves to the new one, the old RayCluster
+  gone afterwards; the time from apply to switch is reported;
 - E. a Surge whose new engines never serve (a model path that does not exist): 0 failed
   requests, the old generation routed throughout, the new one deleted at its deadline, and
   status and a Warning Event that say why.
@@ -116,9 +118,12 @@ def vdp(operator: RunningCluster, ns: str) -> Vdp:
     return v
 
 
-def traffic(vdp: Vdp, scenario: str) -> Traffic:
+def traffic(vdp: Vdp, scenario: str, keep_alive: bool = False) -> Traffic:
+    """The scenario's client: a new connection per request, or (`keep_alive`) a pool of kept
+    connections, which kube-proxy leaves on an endpoint the slice no longer routes to."""
     return Traffic(vdp.cluster, vdp.ns, f"http://{vdp.service_ip()}:{API_PORT}", MODEL,
-                   f"{IMAGE}:dev", name=f"traffic-{scenario}")  # fmt: skip
+                   f"{IMAGE}:dev", name=f"{'kept' if keep_alive else 'traffic'}-{scenario}",
+                   keep_alive=keep_alive)  # fmt: skip
 
 
 def revive_bed(cluster: RunningCluster) -> list[str]:
@@ -377,7 +382,7 @@ def test_c_surge_switches_with_no_failed_request(vdp: Vdp, report: dict[str, str
     old_ip = vdp.pods()["head"]["status"]["podIP"]
     watch = slice_watch(vdp, READY_BY_ADDRESS)
     try:
-        with traffic(vdp, "c") as t:
+        with traffic(vdp, "c") as t, traffic(vdp, "c", keep_alive=True) as kept:
             vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
             applied = time.time()
             vdp.cluster.apply(resource(vdp.ns, engineArgs=["--max-model-len=4096"]))
@@ -393,9 +398,11 @@ def test_c_surge_switches_with_no_failed_request(vdp: Vdp, report: dict[str, str
     finally:
         watch.stop()
     st = vdp.status()
-    report["C Surge engine change"] = (f"{t.summary()}; apply to switch "
-                                       f"{switched_at - applied:.1f}s; {old} -> {new}")
+    report["C Surge engine change"] = (f"{t.summary()}; kept-alive: {kept.summary()}; apply "
+                                       f"to switch {switched_at - applied:.1f}s; {old} -> {new}")
     assert_no_failures(t, vdp, "C")
+    # The old generation drained by its requests and stopped through Ray before it went.
+    assert_no_failures(kept, vdp, "C, kept-alive connections")
     after = [(at, s) for at, s in watch.seen if at >= applied]
     assert all(ready_addresses(s) for _, s in after), f"the slice had no ready endpoint: {after}"
     before = [s for at, s in after if at < switched_at]
