@@ -227,8 +227,17 @@ def test_operator_identity_kubeconfig(testbed: RunningTestbed, testbed_namespace
         assert who["status"]["userInfo"]["username"] == op.identity.username
         as_sa("get", "vllmdataparallels.vllmdp.io", "-n", ns)
         as_sa("get", "rayclusters.ray.io", "-A")
-        as_sa("create", "service", "clusterip", "probe", "--tcp=8000:8000", "-n", ns)
-        as_sa("delete", "service", "probe", "-n", ns)
+        as_sa("get", "services", "-n", ns)
+
+        def fenced() -> str:
+            # RBAC grants creating Services; the chart's admission policy refuses one that is
+            # no VLLMDataParallel's (until its binding is seen, the create goes through).
+            made = op.kubectl("create", "--dry-run=server", "service", "clusterip", "probe",
+                              "--tcp=8000:8000", "-n", ns, check=False)  # fmt: skip
+            return made.stderr if made.returncode != 0 else ""
+
+        refusal = testbed.wait_until("the fence to refuse a foreign Service", fenced, 30)
+        assert "vllm-dp-operator admission policy" in refusal, refusal
         denied = op.kubectl("get", "secrets", "-n", ns, check=False)
         assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
 
