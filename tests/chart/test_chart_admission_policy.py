@@ -39,7 +39,7 @@ def test_the_tenancy_policy_renders_the_chart_values_and_is_off_by_default() -> 
                                    "tenancy.allowedPriorityClasses={gpu-high}"))
     [policy] = [o for o in chartlib.by_kind(objects, "ValidatingAdmissionPolicy")
                 if o["metadata"]["name"].endswith("-tenancy")]  # fmt: skip
-    fields = [v["fieldPath"] for v in policy["spec"]["validations"]]
+    fields = [v["message"].split(":")[0] for v in policy["spec"]["validations"]]
     assert fields == ["spec.image", "spec.priorityClassName", "spec.serviceAccountName",
                       "spec.service.type", "spec.service.annotations", "spec.env"]
     image, priority = policy["spec"]["validations"][:2]
