@@ -45,21 +45,12 @@ def health_url(plan: LaunchPlan) -> str:
     return f"http://{shown}:{plan.port}/health"
 
 
-def _flag(command: tuple[str, ...], name: str) -> str | None:
-    for i, arg in enumerate(command):
-        if arg == name and i + 1 < len(command):
-            return command[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def completion_request(
     plan: LaunchPlan, env: Mapping[str, str] = os.environ
 ) -> urllib.request.Request:
     """The serving check (servecheck.py: one completion of one token, one embedding, or the
     model list), for the served model's name, with the key if there is one."""
-    model = _flag(plan.command, "--served-model-name") or plan.model
+    model = servecheck.flag(plan.command, "--served-model-name") or plan.model
     check = servecheck.resolve(plan.serving_check, plan.command)
     method, path, doc = servecheck.request(check, model)
     body = json.dumps(doc).encode() if doc is not None else None

@@ -19,7 +19,8 @@ _EMBED = ("embed", "embedding")
 _POOLING = ("classify", "score", "reward", "token_classify", "token_embed")
 
 
-def _flag(command: Sequence[str], name: str) -> str | None:
+def flag(command: Sequence[str], name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` in a command, or None."""
     for i, arg in enumerate(command):
         if arg == name and i + 1 < len(command):
             return command[i + 1]
@@ -30,10 +31,10 @@ def _flag(command: Sequence[str], name: str) -> str | None:
 
 def derive(command: Sequence[str]) -> str:
     """The check `Auto` picks from vLLM's own flags in the serve command."""
-    convert, task = _flag(command, "--convert"), _flag(command, "--task")
+    convert, task = flag(command, "--convert"), flag(command, "--task")
     if convert in _EMBED or task in _EMBED:
         return EMBEDDING
-    if _flag(command, "--runner") == "pooling" or convert in _POOLING or task in _POOLING:
+    if flag(command, "--runner") == "pooling" or convert in _POOLING or task in _POOLING:
         return MODELS
     return COMPLETION
 

@@ -21,7 +21,6 @@ from vllm_dp_operator.controller.cache import controller_uid
 from vllm_dp_operator.controller.kube import (
     ENDPOINTSLICE,
     NETWORKPOLICY,
-    POD,
     RAYCLUSTER,
     RAYJOB,
     SERVICE,
@@ -33,6 +32,7 @@ from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile import leaving, member, replicaset, surge
 from vllm_dp_operator.reconcile.member import create_child, label_of, ours
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
+from vllm_dp_operator.reconcile.routing import routed_pod
 from vllm_dp_operator.reconcile.status import condition_status, rfc3339
 from vllm_dp_operator.reconcile.update import HOLD_FOR_SLOT
 from vllm_dp_operator.render import build_service
@@ -281,17 +281,8 @@ def _scaled(step: replicaset.SetStep, want: int) -> str:
 
 
 async def _routed(kube: Kube, ns: str, name: str, index: int) -> bool:
-    """Whether the EndpointSlice routes to a head pod of this replica now: read from the
-    slice itself, which is what kube-proxy routes by."""
-    current = await kube.get(ENDPOINTSLICE, ns, names.endpoint_slice(name))
-    for endpoint in (current or {}).get("endpoints") or []:
-        ref = endpoint.get("targetRef") or {}
-        if not (endpoint.get("conditions") or {}).get("ready") or not ref.get("name"):
-            continue
-        pod = await kube.get(POD, ns, ref["name"])
-        if pod is not None and names.replica_of(pod) == index:
-            return True
-    return False
+    """Whether the EndpointSlice routes to a head pod of this replica now."""
+    return await routed_pod(kube, ns, name, index) is not None
 
 
 def _updated(doc: dict[str, Any], jobs: list[dict[str, Any]], plan: Plan,

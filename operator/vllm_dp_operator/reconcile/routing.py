@@ -48,6 +48,20 @@ def route_ready(routed: bool | None, head_pod: Obj | None, current: Obj | None) 
     return routed
 
 
+async def routed_pod(kube: Kube, ns: str, name: str, replica: int) -> Obj | None:
+    """The head pod of this replica that the resource's EndpointSlice routes to now (a ready
+    endpoint), read from the slice itself, which is what kube-proxy routes by; else None."""
+    current = await kube.get(ENDPOINTSLICE, ns, names.endpoint_slice(name))
+    for endpoint in (current or {}).get("endpoints") or []:
+        ref = endpoint.get("targetRef") or {}
+        if not (endpoint.get("conditions") or {}).get("ready") or not ref.get("name"):
+            continue
+        pod = await kube.get(POD, ns, ref["name"])
+        if pod is not None and names.replica_of(pod) == replica:
+            return pod
+    return None
+
+
 def while_not_ready(jobs: list[Obj]) -> bool | None:
     """The decision while the cluster is not ready (a worker lost, say): no evidence by itself,
     so keep the route (None) while the newest head job runs; its end or failure unroutes."""

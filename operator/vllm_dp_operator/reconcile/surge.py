@@ -21,7 +21,7 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
-from vllm_dp_operator.controller.kube import ENDPOINTSLICE, POD, RAYCLUSTER, RAYJOB, Kube
+from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, Kube
 from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of, probed_gone
 from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.engines.prober import EngineProbes, Target
@@ -29,7 +29,7 @@ from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.engines.transport import PROBES_OFF
 from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
-from vllm_dp_operator.reconcile.routing import Router, while_not_ready
+from vllm_dp_operator.reconcile.routing import Router, routed_pod, while_not_ready
 from vllm_dp_operator.reconcile.status import condition_status
 from vllm_dp_operator.reconcile.update import (
     DRAINING,
@@ -123,14 +123,16 @@ async def keep_serving(
 
 
 def served_target(res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
-                  head: Obj | None, draining: bool = False) -> Target:  # fmt: skip
+                  head: Obj | None, draining: bool = False, job: str | None = None,
+                  ) -> Target:  # fmt: skip
     """The serving generation's probe target on its head pod `head`: the same as the flow's
     while it served (engines/headjobs.py), so its answers so far count on with no fresh start;
-    `draining`, a fresh one for a replica that leaves (its first /metrics read comes after
-    the unroute)."""
+    `draining`, a fresh one for a generation that drains (its first /metrics read comes after
+    the unroute); `job`, its head job where that is not status.servedJob (a Surge's old one)."""
     obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
+    job = job if job is not None else str(res.status.get("servedJob") or "")
     return Target(res.namespace, res.name, names.head_service(cluster),
-                  _api_port(obj, spec.service.port), str(res.status.get("servedJob") or ""),
+                  _api_port(obj, spec.service.port), job,
                   None, spec.api_key_secret_ref is not None, res.replica, draining,
                   ranks=spec.data_parallel.size,
                   head=(head or {}).get("metadata", {}).get("uid") or "")  # fmt: skip
@@ -248,24 +250,17 @@ async def recover_switch(kube: Kube, res: Resource, jobs: list[Obj], now: dateti
     record = res.status.get("update") or {}
     if record.get("phase") != STARTING:
         return res
-    current = await kube.get(ENDPOINTSLICE, res.namespace, names.endpoint_slice(res.name))
-    for endpoint in (current or {}).get("endpoints") or []:
-        ref = endpoint.get("targetRef") or {}
-        if not (endpoint.get("conditions") or {}).get("ready") or not ref.get("name"):
-            continue
-        pod = await kube.get(POD, res.namespace, ref["name"])
-        if pod is None or names.replica_of(pod) != res.replica or \
-                _labels(pod).get(c.LABEL_RAY_CLUSTER) != record.get("to"):  # fmt: skip
-            continue
-        new_jobs = [j for j in _live(jobs) if _labels(j).get(c.LABEL_CLUSTER) == record["to"]]
-        if not new_jobs:
-            return res
-        served = max(new_jobs, key=lambda j: int(_labels(j).get(c.LABEL_ATTEMPT) or 0))
-        status = {**res.status, "update": switched(record, now),
-                  "servedJob": served["metadata"]["name"], "headJob": served["metadata"]["name"],
-                  "servedHeadPod": pod["metadata"].get("uid"), "rayCluster": record["to"]}
-        return dataclasses.replace(res, status=status)
-    return res
+    pod = await routed_pod(kube, res.namespace, res.name, res.replica)
+    if pod is None or _labels(pod).get(c.LABEL_RAY_CLUSTER) != record.get("to"):
+        return res
+    new_jobs = [j for j in _live(jobs) if _labels(j).get(c.LABEL_CLUSTER) == record["to"]]
+    if not new_jobs:
+        return res
+    served = max(new_jobs, key=lambda j: int(_labels(j).get(c.LABEL_ATTEMPT) or 0))
+    status = {**res.status, "update": switched(record, now),
+              "servedJob": served["metadata"]["name"], "headJob": served["metadata"]["name"],
+              "servedHeadPod": pod["metadata"].get("uid"), "rayCluster": record["to"]}
+    return dataclasses.replace(res, status=status)
 
 
 async def drained_state(
@@ -285,12 +280,8 @@ async def drained_state(
     head = head_pod_of(await kube.list(POD, res.namespace, names.head_pod_selector(old)))
     if head is None:
         return Draining(0, True)  # nothing runs there to drain
-    cluster = next((cl for cl in clusters if cl["metadata"]["name"] == old), None)
-    target = Target(res.namespace, res.name, names.head_service(old),
-                    _api_port(cluster, spec.service.port), left[-1]["metadata"]["name"], None,
-                    spec.api_key_secret_ref is not None, res.replica, draining=True,
-                    ranks=spec.data_parallel.size, head=head["metadata"].get("uid") or "")
-    reading = probes.reading(target)
+    reading = probes.reading(served_target(res, spec, old, clusters, head, draining=True,
+                                           job=left[-1]["metadata"]["name"]))  # fmt: skip
     return Draining(reading.in_flight() if reading is not None else None, True)
 
 
