@@ -158,6 +158,7 @@ COND_READY: Final = "Ready"
 COND_UPDATED: Final = "Updated"
 # While Serving: whether every planned DP rank reports in vLLM's /metrics.
 COND_ENGINES_REPORTING: Final = "EnginesReporting"
+COND_LORA_READY: Final = "LoRAReady"
 # Whether the operator can list and watch every child kind (False only while one is not
 # served, 404, or not readable, 403; present only on resources once told so).
 COND_CHILDREN_WATCHED: Final = "ChildrenWatched"
@@ -220,6 +221,9 @@ REASON_ALL_REPLICAS_SERVE: Final = "AllReplicasServe"
 REASON_SCALED: Final = "Scaled"
 REASON_REPLICA_DRAINING: Final = "ReplicaDraining"
 REASON_REPLICA_REMOVED: Final = "ReplicaRemoved"
+REASON_ADAPTERS_LOADED: Final = "AdaptersLoaded"
+REASON_ADAPTERS_LOADING: Final = "AdaptersLoading"
+REASON_ADAPTER_FAILED: Final = "AdapterFailed"
 
 EVENT_NORMAL: Final = "Normal"
 EVENT_WARNING: Final = "Warning"

@@ -24,7 +24,7 @@ from vllm_dp_operator import __version__, constants
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.api_ready import wait_until_served
 from vllm_dp_operator.controller.fence import WriteGate
-from vllm_dp_operator.controller.gate import OPEN, GatedApi, GatedRayJobs
+from vllm_dp_operator.controller.gate import OPEN, GatedApi, GatedRayJobs, GatedTransport
 from vllm_dp_operator.controller.kube import VDP, ApiKube
 from vllm_dp_operator.controller.lease import ApiLeases, ElectionConfig, LeaderElector
 from vllm_dp_operator.controller.lease_thread import ElectionThread
@@ -128,7 +128,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     api = GatedApi(kube, gate)
     controller = Controller(api, CONFIG, probe, GatedRayJobs(DashboardJobs(transport), gate),
                             namespaces=CONFIG.watch_namespaces,
-                            leading=elector is None, logs=kube.follow_log)  # fmt: skip
+                            leading=elector is None, logs=kube.follow_log,
+                            lora_transport=GatedTransport(transport, gate))  # fmt: skip
     memo.kube, memo.transport, memo.controller, memo.elector = kube, transport, controller, elector
     memo.legacy = LegacyFinalizer(api)
     controller.start()

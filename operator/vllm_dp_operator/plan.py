@@ -6,12 +6,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from vllm_dp_launcher import lora_gate, servecheck
 from vllm_dp_launcher import plan as launcher_plan
-from vllm_dp_launcher import servecheck
 
 from vllm_dp_operator import constants
-from vllm_dp_operator.api.models import PackStrategy, ServingCheck, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import (
+    LoraSpec,
+    PackStrategy,
+    ServingCheck,
+    VLLMDataParallelSpec,
+)
 from vllm_dp_operator.api.quantity import cpu_quantity, memory_quantity, quantity_value
+from vllm_dp_operator.engines.lora import Adapter
 
 # Prefixes vLLM copies from the driver to every engine actor, on top of its own.
 # GLOO_ is not copied by default (vllm#5094); NCCL_ and HF_ settings must reach every rank.
@@ -157,7 +163,11 @@ def api_server_count(spec: VLLMDataParallelSpec) -> int:
 
     vLLM 0.33 starts one per DP rank when --api-server-count is unset (internal load
     balancing); the operator passes the count explicitly so the head can be sized for it.
+    With spec.lora one: vLLM refuses runtime LoRA updates beside several API servers (each
+    would keep its own list of adapters).
     """
+    if spec.lora is not None:
+        return 1
     return spec.api_server_count or spec.data_parallel.size
 
 
@@ -194,7 +204,36 @@ def build_command(
     if spec.served_model_name:
         cmd += ["--served-model-name", spec.served_model_name]
     cmd += ["--api-server-count", str(api_server_count(spec))]
+    if spec.lora is not None:
+        cmd += lora_flags(spec.lora)
     return (*cmd, *spec.engine_args)
+
+
+def lora_flags(lora: LoraSpec) -> list[str]:
+    """LoRA's limits, and the gate that lets only the operator change the adapters (its
+    adapters themselves are loaded at runtime, so a change of them needs no new head job)."""
+    flags = ["--enable-lora", "--max-loras", str(lora.max_loras),
+             "--max-lora-rank", str(lora.max_lora_rank)]  # fmt: skip
+    if lora.max_cpu_loras is not None:
+        flags += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    return [*flags, "--middleware", lora_gate.MIDDLEWARE]
+
+
+def lora_adapters(spec: VLLMDataParallelSpec) -> tuple[Adapter, ...] | None:
+    """The adapters the head serves, each with the path vLLM loads it from; None without
+    spec.lora. Not part of the plan: they change on the running engines, never the head job."""
+    if spec.lora is None:
+        return None
+    out = []
+    for a in spec.lora.adapters:
+        src = a.source
+        if src.model_cache is not None:
+            assert spec.model_cache is not None  # a rule (api/validation.py)
+            path = f"{spec.model_cache.mount_path.rstrip('/')}/{src.model_cache.strip('/')}"
+        else:
+            path = (src.path or src.hugging_face or "").rstrip("/") or "/"
+        out.append(Adapter(a.name, path))
+    return tuple(out)
 
 
 def build_env(spec: VLLMDataParallelSpec) -> tuple[tuple[str, str], ...]:
@@ -202,9 +241,11 @@ def build_env(spec: VLLMDataParallelSpec) -> tuple[tuple[str, str], ...]:
     literals = [(e.name, e.value or "") for e in spec.env if e.value_from is None]
     extra = (n for n, _ in literals if not n.startswith((*COPIED_ENV_PREFIXES, "VLLM_")))
     prefixes = [*COPIED_ENV_PREFIXES, *extra]
+    lora = [(lora_gate.RUNTIME_ENV, "True")] if spec.lora is not None else []
     return (
         ("VLLM_RAY_DP_PACK_STRATEGY", str(spec.data_parallel.pack_strategy)),
         ("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", ",".join(prefixes)),
+        *lora,
         *literals,
     )
 

@@ -161,6 +161,25 @@ def test_api_server_count_is_explicit_vllms_default_when_unset() -> None:
     assert plan_of(dataParallel=dp(4, 2), apiServerCount=1).api_servers == 1
 
 
+def test_lora_brings_its_limits_the_gate_one_api_server_and_no_adapter() -> None:
+    adapters = [{"name": "sql", "source": {"path": "/adapters/sql"}}]
+    plan = plan_of(dataParallel=dp(4, 2), engineArgs=["--max-model-len=512"],
+                   lora={"maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 8,
+                         "adapters": adapters})  # fmt: skip
+    cmd = list(plan.command)
+    assert plan.api_servers == 1
+    assert cmd[cmd.index("--api-server-count") + 1] == "1"
+    lora = cmd[cmd.index("--enable-lora"):cmd.index("--max-model-len=512")]
+    assert lora == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "64",
+                    "--max-cpu-loras", "8", "--middleware", "vllm_dp_launcher.lora_gate.LoraGate"]
+    assert ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True") in plan.env
+    # The adapters are loaded at runtime: another set is the same head job.
+    other = plan_of(dataParallel=dp(4, 2), engineArgs=["--max-model-len=512"],
+                    lora={"maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 8})  # fmt: skip
+    assert other == plan
+    assert "--enable-lora" not in plan_of(dataParallel=dp(4, 2)).command
+
+
 @pytest.mark.parametrize(
     ("resources", "servers", "cpu", "memory"),
     [

@@ -59,8 +59,22 @@ def args(*flags: str) -> dict[str, Any]:
     return {"engineArgs": list(flags)}
 
 
+def lora(*adapters: dict[str, Any], **limits: Any) -> dict[str, Any]:
+    return {"lora": {**limits, "adapters": list(adapters)}}
+
+
+def adapter(name: str, **source: str) -> dict[str, Any]:
+    return {"name": name, "source": source}
+
+
 VALID: list[Any] = [
     pytest.param({}, id="base"),
+    pytest.param(lora(adapter("sql", path="/adapters/sql"), adapter("chat", huggingFace="o/r"),
+                      maxLoras=2, maxLoraRank=64, maxCpuLoras=4), id="lora"),
+    pytest.param({"modelCache": {"claimName": "models"}, "apiServerCount": 1,
+                  **lora(adapter("a-1.b_2", modelCache="adapters/sql-lora/"))},
+                 id="lora-on-the-model-cache"),
+    pytest.param({"lora": {}}, id="lora-limits-only"),
     pytest.param({"tensorParallelSize": 2}, id="tp2-default-per-pod"),
     pytest.param({"service": {"allowFrom": [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "clients"}},
@@ -175,6 +189,11 @@ OWNED_CASES = [
         ("--api-key=sk-123", "--api-key"),
         ("--hf-token=hf_123", "--hf-token"),
         ("--config=/models/serve.yaml", "--config"),
+        ("--enable-lora", "--enable-lora"),
+        ("--max-loras=4", "--max-loras"),
+        ("--max_lora_rank=64", "--max-lora-rank"),
+        ("--max-cpu-loras=8", "--max-cpu-loras"),
+        ("--lora-modules=a=/x", "--lora-modules"),
     ]
 ]
 
@@ -478,6 +497,35 @@ INVALID: list[Any] = [
         {"service": {"allowFrom": []}}, "spec.service.allowFrom", "at least 1 item",
         id="allow-from-empty-list",
     ),
+    pytest.param(lora(adapter("a", path="/x", huggingFace="o/r")), "spec.lora.adapters",
+                 "exactly one of modelCache, path and huggingFace", id="lora-two-sources"),
+    pytest.param(lora(adapter("a")), "spec.lora.adapters",
+                 "exactly one of modelCache, path and huggingFace", id="lora-no-source"),
+    pytest.param(lora(adapter("a", path="/x"), adapter("a", path="/y")), "spec.lora.adapters",
+                 "must not name an adapter twice", id="lora-name-twice"),
+    pytest.param(lora(adapter("Qwen/Qwen2.5-7B-Instruct", path="/x")),
+                 "spec.lora.adapters[0].name", "should match pattern", id="lora-name-slash"),
+    pytest.param({"servedModelName": "base", **lora(adapter("base", path="/x"))},
+                 "spec.lora.adapters", "as the base model is served", id="lora-base-name"),
+    pytest.param(lora(adapter("a", modelCache="adapters/a")), "spec.lora.adapters",
+                 "needs spec.modelCache", id="lora-cache-without-cache"),
+    pytest.param(lora(adapter("a", modelCache="../a")),
+                 "spec.lora.adapters[0].source.modelCache", "should match pattern",
+                 id="lora-cache-climbs-out"),
+    pytest.param(lora(adapter("a", path="relative/a")),
+                 "spec.lora.adapters[0].source.path", "should match pattern",
+                 id="lora-path-relative"),
+    pytest.param(lora(adapter("a", huggingFace="https://user:pw@example.com/o/r")),
+                 "spec.lora.adapters[0].source.huggingFace", "should match pattern",
+                 id="lora-hf-url-with-credentials"),
+    pytest.param(lora(maxLoraRank=24), "spec.lora.maxLoraRank",
+                 "must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512", id="lora-rank-choice"),
+    pytest.param(lora(maxLoras=4, maxCpuLoras=2), "spec.lora.maxCpuLoras",
+                 "must be at least maxLoras", id="lora-cpu-below-gpu"),
+    pytest.param({"apiServerCount": 2, **lora()}, "spec.apiServerCount",
+                 "must be 1 (or unset) with spec.lora", id="lora-two-api-servers"),
+    pytest.param({"ray": {"auth": "disabled"}, **lora()}, "spec.lora",
+                 "needs ray.auth token", id="lora-without-ray-auth"),
 ]  # fmt: skip
 
 

@@ -460,6 +460,79 @@ class Scheduling(ApiModel):
     )  # fmt: skip
 
 
+#: An adapter's name as clients send it in `model`: a label value's characters (it is also
+#: the `adapter` label of the operator's metrics), at most 63.
+LORA_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+#: A Hugging Face repo id: `owner/name`, nothing else (no URL, no credentials, no revision).
+HF_REPO_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,95}/[A-Za-z0-9][-A-Za-z0-9_.]{0,95}$"
+#: A directory below the model cache's root: segments that begin with a letter, a digit or
+#: `_` (so never `.` or `..`), joined by `/`; the same after a leading `/` for an absolute one.
+_SEGMENT = r"[A-Za-z0-9_][-A-Za-z0-9_.]*"
+LORA_SUBPATH_PATTERN = rf"^{_SEGMENT}(/{_SEGMENT})*/?$"
+LORA_PATH_PATTERN = rf"^(/{_SEGMENT})+/?$"
+#: vLLM's --max-lora-rank choices (vllm/config/lora.py, MaxLoRARanks).
+LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoraSource(ApiModel):
+    """Where an adapter's files are: exactly one of modelCache, path and huggingFace."""
+
+    model_cache: str | None = Field(
+        default=None, min_length=1, max_length=1024, pattern=LORA_SUBPATH_PATTERN,
+        description="A directory on spec.modelCache's claim, relative to its root (as a "
+        "volume subPath), e.g. adapters/sql-lora.",
+    )  # fmt: skip
+    path: str | None = Field(
+        default=None, min_length=2, max_length=1024, pattern=LORA_PATH_PATTERN,
+        description="An absolute directory in the engine container (in the image, or under "
+        "a volume the image or the cache provides).",
+    )  # fmt: skip
+    hugging_face: str | None = Field(
+        default=None, max_length=193, pattern=HF_REPO_PATTERN,
+        description="A Hugging Face repo id (owner/name), downloaded by vLLM on the head pod "
+        "with the resource's hfTokenSecretRef, into spec.modelCache where set.",
+    )  # fmt: skip
+
+
+class LoraAdapter(ApiModel):
+    """One LoRA adapter, served under its own name beside the base model."""
+
+    name: str = Field(
+        min_length=1, max_length=63, pattern=LORA_NAME_PATTERN,
+        description="The name clients send as `model` to use it.",
+    )  # fmt: skip
+    source: LoraSource = Field(description="Where its files are.")
+
+
+class LoraSpec(ApiModel):
+    """LoRA adapters on every rank of every replica, loaded and unloaded without a restart
+    (docs/lora.md). Setting the block (or its limits) relaunches the engines with
+    --enable-lora; changing `adapters` does not."""
+
+    max_loras: JsonInt = Field(
+        default=1, ge=1, le=256,
+        description="Adapters one batch may use at once (--max-loras): each holds GPU "
+        "memory on every rank.",
+    )  # fmt: skip
+    max_lora_rank: JsonInt = Field(
+        default=16,
+        description="The highest adapter rank served (--max-lora-rank), one of "
+        + ", ".join(str(r) for r in LORA_RANKS) + "; an adapter of a higher rank is "
+        "refused at load and reported.",
+    )
+    max_cpu_loras: Annotated[int, Field(ge=1, le=4096), BeforeValidator(_json_integer)] | None = (
+      Field(
+        default=None,
+        description="Adapters kept in CPU memory (--max-cpu-loras), at least maxLoras; "
+        "unset: vLLM's default (maxLoras).",
+    ))  # fmt: skip
+    adapters: list[LoraAdapter] = Field(
+        default_factory=list, max_length=64,
+        description="The adapters to serve. Adding or removing one loads or unloads it on the "
+        "running engines through vLLM's runtime LoRA API, on every replica, with no relaunch.",
+    )  # fmt: skip
+
+
 class VLLMDataParallelSpec(ApiModel):
     """Desired state: one data-parallel vLLM deployment on a Ray cluster."""
 
@@ -592,6 +665,10 @@ class VLLMDataParallelSpec(ApiModel):
         default=None,
         description="Queue-aware admission: a Kueue queue and priority, or a gang scheduler.",
     )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="LoRA adapters served beside the base model (docs/lora.md).",
+    )
 
 
 class Condition(ApiModel):
@@ -675,6 +752,49 @@ class RolloutStatus(ApiModel):
     )
 
 
+class AdapterFailure(ApiModel):
+    """An adapter that did not load, and vLLM's answer."""
+
+    name: str = Field(description="The adapter.")
+    error: str = Field(description="Why, as vLLM answered the load.")
+
+
+class ReplicaLora(ApiModel):
+    """The adapters one replica's engines serve, as the operator last synced them."""
+
+    loaded: list[str] = Field(default_factory=list, description="Adapters vLLM lists.")
+    failed: list[AdapterFailure] = Field(
+        default_factory=list, description="Adapters whose last load failed."
+    )
+    detail: str | None = Field(
+        default=None, description="Why its adapters could not be read, where they could not."
+    )
+
+
+class AdapterStatus(ApiModel):
+    """One adapter of spec.lora across the replicas."""
+
+    name: str = Field(description="The adapter, as clients ask for it.")
+    replicas: list[int] = Field(
+        default_factory=list,
+        description="The routed replicas whose engines serve it (on every DP rank: vLLM "
+        "loads an adapter on all engines of its DP group, or reports an error).",
+    )
+    error: str | None = Field(default=None, description="Its last load's error, if it failed.")
+
+
+class LoraStatus(ApiModel):
+    """spec.lora's adapters as served."""
+
+    adapters: list[AdapterStatus] = Field(
+        default_factory=list, description="Each adapter of the spec."
+    )
+    ready: str | None = Field(
+        default=None,
+        description="Adapters served by every routed replica / adapters in the spec.",
+    )
+
+
 class ReplicaStatus(ApiModel):
     """One replica (one DP group): what its reconcile carries from one run to the next."""
 
@@ -709,6 +829,7 @@ class ReplicaStatus(ApiModel):
     update: UpdateStatus | None = Field(default=None, description="Its Surge in progress.")
     failed_update: str | None = Field(default=None, description="Its last failed Surge target.")
     load: LoadSummary | None = Field(default=None, description="Its engines' load.")
+    lora: ReplicaLora | None = Field(default=None, description="Its adapters (spec.lora).")
 
 
 class VLLMDataParallelStatus(ApiModel):
@@ -795,6 +916,9 @@ class VLLMDataParallelStatus(ApiModel):
         default_factory=list,
         description="Each replica's own state. The fields above that name one RayCluster or "
         "head job (rayCluster, headJob, servedJob, ...) show the first replica's.",
+    )
+    lora: LoraStatus | None = Field(
+        default=None, description="spec.lora's adapters: where each is served, or why not."
     )
     load: LoadSummary | None = Field(
         default=None,

@@ -11,8 +11,10 @@ from pydantic import ValidationError
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.api.models import (
+    LORA_RANKS,
     PERCENT_PATTERN,
     LabelSelector,
+    LoraAdapter,
     PackStrategy,
     RayAuth,
     Scheduler,
@@ -89,6 +91,11 @@ OWNED_FLAGS: tuple[OwnedFlag, ...] = (
               why="a secret, which would be readable in the RayJob and the process list"),
     OwnedFlag("--config", None, "the flags themselves in engineArgs",
               why="a file that can set the flags the operator owns out of its sight"),
+    OwnedFlag("--enable-lora", None, "spec.lora"),
+    OwnedFlag("--max-loras", None, "spec.lora.maxLoras"),
+    OwnedFlag("--max-lora-rank", None, "spec.lora.maxLoraRank"),
+    OwnedFlag("--max-cpu-loras", None, "spec.lora.maxCpuLoras"),
+    OwnedFlag("--lora-modules", None, "spec.lora.adapters"),
 )  # fmt: skip
 
 
@@ -142,6 +149,8 @@ RESERVED_ENV = {
     "RAY_ADDRESS": "nothing: vllm serve joins the Ray cluster it runs in; ray:// addresses "
     "are not supported (vllm#14349)",
     "VLLM_API_KEY": "apiKeySecretRef",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "spec.lora: the operator turns it on and keeps adapter "
+    "changes its own",
 }
 
 #: Variable names that hold a secret: known ones, and any with one of these words as a part
@@ -295,6 +304,84 @@ SCHEDULING_RULES: tuple[Rule, ...] = (
         or _scheduler_of(s) in (Scheduler.KUEUE, Scheduler.VOLCANO),
     ),
 )  # fmt: skip
+
+
+def _adapters(s: VLLMDataParallelSpec) -> list[LoraAdapter]:
+    return s.lora.adapters if s.lora is not None else []
+
+
+def _sources(a: LoraAdapter) -> int:
+    src = a.source
+    return sum(x is not None for x in (src.model_cache, src.path, src.hugging_face))
+
+
+_ADAPTERS = "has(self.lora) && has(self.lora.adapters)"
+_BASE_NAME = "(has(self.servedModelName) ? self.servedModelName : self.model)"
+
+# spec.lora: each adapter's source, its name, and the limits vLLM checks at start.
+LORA_RULES: tuple[Rule, ...] = (
+    Rule(
+        field="lora.adapters",
+        cel=f"!({_ADAPTERS}) || self.lora.adapters.all(a, "
+        "(has(a.source.modelCache) ? 1 : 0) + (has(a.source.path) ? 1 : 0) + "
+        "(has(a.source.huggingFace) ? 1 : 0) == 1)",
+        message="each adapter's source takes exactly one of modelCache, path and huggingFace",
+        holds=lambda s: all(_sources(a) == 1 for a in _adapters(s)),
+    ),
+    Rule(
+        field="lora.adapters",
+        cel=f"!({_ADAPTERS}) || self.lora.adapters.all(a, "
+        "self.lora.adapters.exists_one(b, b.name == a.name))",
+        message="must not name an adapter twice",
+        holds=lambda s: len({a.name for a in _adapters(s)}) == len(_adapters(s)),
+    ),
+    Rule(
+        field="lora.adapters",
+        cel=f"!({_ADAPTERS}) || !self.lora.adapters.exists(a, a.name == {_BASE_NAME})",
+        message="must not name an adapter as the base model is served (servedModelName, or "
+        "model where it is unset): clients could not ask for the one or the other",
+        holds=lambda s: all(a.name != (s.served_model_name or s.model) for a in _adapters(s)),
+    ),
+    Rule(
+        field="lora.adapters",
+        cel=f"!({_ADAPTERS}) || has(self.modelCache) || "
+        "!self.lora.adapters.exists(a, has(a.source.modelCache))",
+        message="an adapter on the model cache (source.modelCache) needs spec.modelCache",
+        holds=lambda s: s.model_cache is not None
+        or all(a.source.model_cache is None for a in _adapters(s)),
+    ),
+    Rule(
+        field="lora.maxLoraRank",
+        cel="!has(self.lora) || !has(self.lora.maxLoraRank) || self.lora.maxLoraRank in ["
+        + ", ".join(str(r) for r in LORA_RANKS) + "]",
+        message="must be one of " + ", ".join(str(r) for r in LORA_RANKS)
+        + " (vLLM's --max-lora-rank choices)",
+        holds=lambda s: s.lora is None or s.lora.max_lora_rank in LORA_RANKS,
+    ),
+    Rule(
+        field="lora.maxCpuLoras",
+        cel="!has(self.lora) || !has(self.lora.maxCpuLoras) || "
+        "self.lora.maxCpuLoras >= (has(self.lora.maxLoras) ? self.lora.maxLoras : 1)",
+        message="must be at least maxLoras: vLLM refuses to start otherwise",
+        holds=lambda s: s.lora is None or s.lora.max_cpu_loras is None
+        or s.lora.max_cpu_loras >= s.lora.max_loras,
+    ),
+    Rule(
+        field="apiServerCount",
+        cel="!has(self.lora) || !has(self.apiServerCount) || self.apiServerCount == 1",
+        message="must be 1 (or unset) with spec.lora: vLLM refuses runtime LoRA updates beside "
+        "several API servers, each of which would keep its own list of adapters",
+        holds=lambda s: s.lora is None or s.api_server_count in (None, 1),
+    ),
+    Rule(
+        field="lora",
+        cel="!has(self.lora) || !has(self.ray) || !has(self.ray.auth) || "
+        "self.ray.auth != 'disabled'",
+        message="needs ray.auth token: the engines take runtime LoRA loads only from a caller "
+        "that holds the Ray cluster's token (the operator), and there is none with disabled",
+        holds=lambda s: s.lora is None or s.ray.auth != RayAuth.DISABLED,
+    ),
+)
 
 
 _SELECTORS = ("namespaceSelector", "podSelector")
@@ -463,6 +550,7 @@ RULES: tuple[Rule, ...] = (
     ),
     *SCHEDULING_RULES,
     *_ALLOW_FROM_RULES,
+    *LORA_RULES,
 )
 
 @dataclass(frozen=True)

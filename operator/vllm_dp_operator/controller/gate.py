@@ -3,7 +3,8 @@
 The controller is built on a `GatedApi` instead of the bare API client, so the reconcile's
 creates, patches and deletes (through `CachedKube`), the status writer's patches and the Event
 poster's creates all check the gate when they are called. The Ray job API's stop (a write to
-the head's dashboard) goes through `GatedRayJobs`. Reads and watches are never gated: standbys
+the head's dashboard) goes through `GatedRayJobs`, and the adapter loads and unloads (writes to
+the engines) through `GatedTransport`. Reads and watches are never gated: standbys
 keep their caches warm. kopf itself writes nothing (handlers.py).
 
 A check when the write is called is not enough. Between it and the request leaving, the write
@@ -14,12 +15,13 @@ which checks the gate again once the HTTP connection is in hand (fence.py).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 from vllm_dp_operator.controller.fence import WriteGate, gated
 from vllm_dp_operator.controller.kube import Kind
 from vllm_dp_operator.engines.ray_dashboard import RayJobLookup, RayJobs, StopResult
+from vllm_dp_operator.engines.transport import Answer, ServiceTransport
 
 
 class GatedApi:
@@ -106,6 +108,31 @@ class GatedRayJobs:
         return await gated(
             self._gate, lambda: self._jobs.stop(namespace, cluster, submission_id, token)
         )
+
+
+class GatedTransport:
+    """HTTP to the engines with its writes (the adapter loads and unloads) behind the gate."""
+
+    def __init__(self, transport: ServiceTransport, gate: WriteGate) -> None:
+        self._transport, self._gate = transport, gate
+
+    async def request(
+        self, method: str, namespace: str, service: str, port: int, path: str,
+        limit: int | None = None, headers: Mapping[str, str] | None = None,
+        json_body: Mapping[str, Any] | None = None,
+    ) -> Answer:  # fmt: skip
+        """A GET as it is; anything else if this process may write."""
+        def send() -> Awaitable[Answer]:
+            return self._transport.request(method, namespace, service, port, path, limit,
+                                            headers, json_body)  # fmt: skip
+
+        if method == "GET":
+            return await send()
+        answer: Answer = await gated(self._gate, send)
+        return answer
+
+    async def close(self) -> None:
+        """Closed with the transport it wraps, by its owner."""
 
 
 class _Open:

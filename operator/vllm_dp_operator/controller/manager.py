@@ -85,7 +85,7 @@ from vllm_dp_operator.engines.launch_reports import LaunchReports, LogSource
 from vllm_dp_operator.engines.probe import HealthProbe
 from vllm_dp_operator.engines.prober import CANDIDATE, DRAIN, ProbePool
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
-from vllm_dp_operator.engines.transport import PROBES_OFF
+from vllm_dp_operator.engines.transport import PROBES_OFF, ServiceTransport
 from vllm_dp_operator.observability.metrics import (
     RESULT_ERROR,
     OperatorMetrics,
@@ -178,7 +178,7 @@ class Controller:
         namespaces: Sequence[str] = (), post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         metrics: OperatorMetrics | None = None, leading: bool = True,
-        logs: LogSource | None = None,
+        logs: LogSource | None = None, lora_transport: ServiceTransport | None = None,
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe, self.ray_jobs = api, cfg, probe, ray_jobs
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
@@ -243,7 +243,8 @@ class Controller:
                                 serving_seconds=cfg.probe_serving_seconds,
                                 metrics_seconds=cfg.probe_metrics_seconds,
                                 on_loads=self.metrics.set_engine_loads, reports=self.reports,
-                                probing=cfg.health_probe != PROBES_OFF)  # fmt: skip
+                                probing=cfg.health_probe != PROBES_OFF,
+                                transport=lora_transport)  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 

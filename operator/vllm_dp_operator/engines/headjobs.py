@@ -17,7 +17,7 @@ from vllm_dp_launcher.stages import ANSWERED, SERVING
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
-from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.kube import RAYJOB, AlreadyExists, Kube
 from vllm_dp_operator.engines.engine_metrics import missing_ranks, ranks_text
@@ -35,11 +35,13 @@ from vllm_dp_operator.engines.jobstate import (
 )
 from vllm_dp_operator.engines.launch_reports import Launch
 from vllm_dp_operator.engines.load_summary import DWELL_SECONDS, level_of, summarize
+from vllm_dp_operator.engines.lora import Adapter
 from vllm_dp_operator.engines.probe import ProbeResult
 from vllm_dp_operator.engines.prober import NOT_PROBED, EngineProbes, Target
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.engines.transport import PROBES_OFF
-from vllm_dp_operator.plan import Plan
+from vllm_dp_operator.plan import Plan, lora_adapters
+from vllm_dp_operator.reconcile.lora_status import replica_lora
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.status import parse_rfc3339, rfc3339
 from vllm_dp_operator.render import build_head_job
@@ -62,6 +64,14 @@ def head_pod_of(pods: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 def _labels(obj: dict[str, Any]) -> dict[str, str]:
     labels: dict[str, str] = obj["metadata"].get("labels") or {}
     return labels
+
+
+def adapters_settled(probes: EngineProbes, target: Target | None) -> bool:
+    """Whether a head's adapters are synced to what its target asks (or LoRA is off)."""
+    if target is None or target.adapters is None or target.token is None:
+        return True
+    state = probes.adapters(target)
+    return state is not None and state.settled(target.adapters)
 
 
 def probed_gone(health: ProbeResult, cfg: Config, now: datetime) -> bool:
@@ -102,8 +112,7 @@ class HeadJobs:
         #: The launcher's last reported stage for the latest head job, while it is followed.
         self.said: str | None = None
         # The cluster's Ray token, derived again rather than read from its Secret.
-        self.token = (cfg.ray_tokens.token(res.namespace, res.name)
-                      if spec.ray.auth == RayAuth.TOKEN else None)  # fmt: skip
+        self.token = cfg.ray_tokens.of_cluster(res.namespace, res.name, spec.ray.auth)
 
     async def converge(self, jobs: list[dict[str, Any]]) -> None:
         """Jobs are the live head jobs on this cluster, oldest attempt first."""
@@ -148,7 +157,8 @@ class HeadJobs:
                              self.spec.api_key_secret_ref is not None,
                              self.res.replica, head=self._head_uid() or "",
                              ranks=self.plan.data_parallel_size,
-                             complete_check=self.plan.check)  # fmt: skip
+                             complete_check=self.plan.check,
+                             adapters=self._adapters(), token=self.token)  # fmt: skip
         served = self._served(job)
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).
@@ -184,6 +194,11 @@ class HeadJobs:
                    f"where {launch_stage(job, self.health.detail)}")  # fmt: skip
             return self._record_failure(name, why, c.REASON_JOB_TIMED_OUT)
         return None
+
+    def _adapters(self) -> tuple[Adapter, ...] | None:
+        """spec.lora's adapters, synced through the probes' pool (none with probes off: the
+        operator then sends nothing to the engines, and no adapter is loaded)."""
+        return lora_adapters(self.spec) if self.cfg.health_probe != PROBES_OFF else None
 
     def _hung(self) -> bool:
         """Whether a head job that served has failed its probes in a row long enough to be
@@ -224,7 +239,10 @@ class HeadJobs:
         doc = self.st.doc
         if self.health.ok:
             doc.update(probeFailures=None, probeFailingSince=None)
-            return True
+            # A head that has not served yet is routed once every adapter of spec.lora was
+            # tried on it (loaded, or failed with its error kept): clients never meet a new
+            # replica, or a relaunch, that lacks an adapter the others serve.
+            return self._served(job) or adapters_settled(self.probes, self.target)
         if not self._served(job):
             return False  # never routed before its first answer on this head pod
         if self.health.failures == 0:
@@ -369,6 +387,10 @@ class HeadJobs:
     async def _report(self, job: dict[str, Any], waiting: list[str], routed: bool) -> None:
         name, st = job["metadata"]["name"], self.st
         st.doc["headJob"] = name
+        lora = (self.probes.adapters(self.target)
+                if self.target is not None and self.target.adapters is not None else None)
+        st.doc["lora"] = (replica_lora(lora.loaded, lora.failed(), lora.detail)
+                          if lora is not None else None)  # fmt: skip
         running = job_state(job) is JobState.RUNNING
         st.cond(c.COND_HEAD_JOB_RUNNING, running,
                 c.REASON_JOB_RUNNING if running else c.REASON_JOB_PENDING,
@@ -400,6 +422,11 @@ class HeadJobs:
             message = (f"Head job {name} served, but /health has not answered "
                        + (f"since {since}" if since else "on this head pod yet")
                        + f" ({self.health.detail}); not routed")  # fmt: skip
+        elif self.health.ok and self.target is not None and self.target.adapters is not None:
+            # Not routed yet for its adapters alone (_routable).
+            detail = lora.detail if lora is not None and lora.detail else "under way"
+            message = (f"Head job {name}: vLLM answers /health; loading its LoRA adapters "
+                       f"before it is routed ({detail})")  # fmt: skip
         else:
             created = parse_rfc3339(job["metadata"].get("creationTimestamp")) or st.now
             deadline = created + timedelta(seconds=self.spec.launch.timeout_seconds)

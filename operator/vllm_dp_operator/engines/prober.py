@@ -32,9 +32,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from vllm_dp_operator.engines import lora
 from vllm_dp_operator.engines.launch_reports import Launch, LaunchReports
 from vllm_dp_operator.engines.load_summary import level_of
+from vllm_dp_operator.engines.lora import Adapter, LoraState
 from vllm_dp_operator.engines.probe import EngineReading, HealthProbe, ProbeResult
+from vllm_dp_operator.engines.transport import ServiceTransport
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,11 @@ class Target:
     head: str = ""
     #: Which request proves it serves (vllm_dp_launcher/servecheck.py).
     complete_check: str = "Completion"
+    #: The LoRA adapters it should serve (None: spec.lora unset), and the Ray token its
+    #: adapter changes are sent with. Not part of its identity: another set of adapters is
+    #: the same head job, probed on, and synced at once.
+    adapters: tuple[Adapter, ...] | None = field(default=None, compare=False)
+    token: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> Key:
@@ -109,6 +117,10 @@ class EngineProbes(Protocol):
         """The latest one-token completion's answer for this head job, None before any."""
         ...
 
+    def adapters(self, target: Target) -> LoraState | None:
+        """The latest LoRA sync of this head job, None before the first one."""
+        ...
+
     def nudge(self, key: Key) -> None:
         """Probe the resource's head now rather than at its next turn."""
         ...
@@ -135,6 +147,9 @@ class _Entry:
     again: bool = False
     #: What the last wake told the reconcile (see _signature).
     told: tuple[Any, ...] = field(default_factory=tuple)
+    #: The last LoRA sync, and when (loop time) failed loads are next asked again.
+    lora: LoraState | None = None
+    lora_retry_at: float = 0.0
 
 
 def _planned_only(reading: EngineReading, ranks: int) -> EngineReading:
@@ -152,8 +167,12 @@ def _signature(entry: _Entry) -> tuple[Any, ...]:
     health, reading = entry.health, entry.reading
     loads = reading.loads if reading is not None else None
     done = None if entry.completion is None else entry.completion.ok
+    adapters = None if entry.lora is None else (
+        entry.lora.wanted, entry.lora.loaded, tuple(sorted(entry.lora.failed().items())),
+        bool(entry.lora.detail))  # fmt: skip
     return (health is NOT_PROBED, health.ok, health.failures,
-            None if loads is None else (len(loads), level_of(loads)), done)  # fmt: skip
+            None if loads is None else (len(loads), level_of(loads)), done,
+            adapters)  # fmt: skip
 
 
 class ProbePool:
@@ -165,8 +184,12 @@ class ProbePool:
         on_loads: Callable[[LoadKey, Mapping[int, Any] | None], None] | None = None,
         reports: LaunchReports | None = None, probing: bool = True,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        transport: ServiceTransport | None = None, lora_retry_seconds: float = 300.0,
     ) -> None:  # fmt: skip
         self._probe, self._wake, self._on_loads = probe, wake, on_loads
+        #: Where adapter changes are sent (None: LoRA is never synced), and how long a failed
+        #: load waits before it is asked again.
+        self._transport, self._lora_retry = transport, lora_retry_seconds
         #: The launchers' reports; and whether engines are probed at all (healthProbe.mode
         #: off: never, and the reports alone tell of serving).
         self._reports, self._probing = reports, probing
@@ -196,6 +219,10 @@ class ProbePool:
     def reading(self, target: Target) -> EngineReading | None:
         """The latest /metrics reading of this head job."""
         return self._entry(target).reading
+
+    def adapters(self, target: Target) -> LoraState | None:
+        """The latest LoRA sync of this head job."""
+        return self._entry(target).lora
 
     def nudge(self, key: Key) -> None:
         """Probe now (the launcher reported that vLLM answers)."""
@@ -251,6 +278,13 @@ class ProbePool:
 
     def _entry(self, target: Target) -> _Entry:
         entry = self._entries.get(target.slot)
+        if entry is not None and entry.target == target \
+                and entry.target.adapters != target.adapters:
+            entry.target = target  # the same head job asked for other adapters: sync now
+            if entry.busy:
+                entry.again = True
+            elif self._probing:
+                self._schedule(target.slot, entry, 0.0)
         if entry is None or entry.target != target:
             entry = _Entry(target)
             entry.told = _signature(entry)
@@ -324,6 +358,8 @@ class ProbePool:
                     completion = await self._probe.complete(
                         t.namespace, t.service, t.port, t.complete_model, t.complete_keyed,
                         t.complete_check)  # fmt: skip
+                if self._lora_due(entry, reading is not None):
+                    await self._sync_adapters(entry)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a probe never kills the pool: count it as failed
@@ -337,6 +373,34 @@ class ProbePool:
             return  # released, or a newer head job took its place, while it was asked
         entry.completion = completion
         self._record(slot, entry, answer, reading)
+
+    def _lora_due(self, entry: _Entry, metrics_read: bool) -> bool:
+        """Whether this probe syncs the adapters: LoRA on and a token to send, and the first
+        time, another set asked for, the last read failed, a failed load's retry is due, or
+        (checked with each /metrics read) on the /metrics cadence."""
+        t, last = entry.target, entry.lora
+        if t.adapters is None or t.token is None or self._transport is None or t.draining:
+            return False
+        if last is None or last.wanted != t.adapters or last.detail or metrics_read:
+            return True
+        return bool(last.failed()) and self._now() >= entry.lora_retry_at
+
+    async def _sync_adapters(self, entry: _Entry) -> None:
+        t, last = entry.target, entry.lora
+        assert t.adapters is not None and t.token is not None and self._transport is not None
+        retry = self._now() >= entry.lora_retry_at
+        try:
+            state = await lora.sync(self._transport, t.namespace, t.service, t.port, t.token,
+                                    t.adapters, last, retry)  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never a failed probe: /health answered
+            log.warning("LoRA sync of %s/%s failed: %r", t.namespace, t.service, exc)
+            state = LoraState(t.adapters, last.loaded if last else frozenset(),
+                              last.errors if last else {}, f"sync error: {exc!r}")  # fmt: skip
+        if retry and state.failed():
+            entry.lora_retry_at = self._now() + self._lora_retry
+        entry.lora = state
 
     def _record(
         self, slot: Slot, entry: _Entry, answer: ProbeResult, reading: EngineReading | None

@@ -36,6 +36,10 @@ class RayTokens:
         mac = hmac.new(self._key, _CONTEXT + f"{namespace}\0{name}".encode(), hashlib.sha256)
         return base64.urlsafe_b64encode(mac.digest()).decode().rstrip("=")
 
+    def of_cluster(self, namespace: str, name: str, auth: str) -> str | None:
+        """The token of a resource's Ray cluster; None where its spec.ray.auth is disabled."""
+        return self.token(namespace, name) if auth == "token" else None
+
     @classmethod
     def random(cls) -> RayTokens:
         """A random key, for this process only."""

@@ -29,7 +29,7 @@ from vllm_dp_operator.controller.kube import (
 from vllm_dp_operator.engines.prober import EngineProbes
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
-from vllm_dp_operator.reconcile import leaving, member, replicaset, surge
+from vllm_dp_operator.reconcile import leaving, lora_status, member, replicaset, surge
 from vllm_dp_operator.reconcile.member import create_child, label_of, ours
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
 from vllm_dp_operator.reconcile.routing import routed_pod
@@ -304,6 +304,23 @@ def _updated(doc: dict[str, Any], jobs: list[dict[str, Any]], plan: Plan,
                                                                    cluster["metadata"]["name"])
 
 
+def _adapters(st: StatusDoc, spec: VLLMDataParallelSpec, entries: list[dict[str, Any]]
+              ) -> None:  # fmt: skip
+    """status.lora, LoRAReady, and a Warning per adapter that failed anew."""
+    lora = lora_status.summarize(spec, entries, st.prev.get("lora"))
+    if lora is None:
+        st.doc["lora"] = None
+        st.doc["conditions"] = [cond for cond in st.doc["conditions"]
+                                if cond.get("type") != c.COND_LORA_READY]  # fmt: skip
+        return
+    st.doc["lora"] = lora.status
+    st.cond(c.COND_LORA_READY, *lora.condition)
+    for name, error in lora.new_failures.items():
+        st.event(c.EVENT_WARNING, c.REASON_ADAPTER_FAILED,
+                 f"LoRA adapter {name} did not load (the base model and the other adapters "
+                 f"serve on): {error}")  # fmt: skip
+
+
 def _summarize(st: StatusDoc, spec: VLLMDataParallelSpec, entries: list[dict[str, Any]]) -> None:
     """The resource's status from its replicas': counts, Available and Degraded, and its
     first replica's fields and conditions where a single-group resource had them."""
@@ -318,6 +335,7 @@ def _summarize(st: StatusDoc, spec: VLLMDataParallelSpec, entries: list[dict[str
     st.cond(c.COND_DEGRADED, *degraded)
     if degraded[0] and was != "True" and len(staying) > 1:
         st.event(c.EVENT_WARNING, c.REASON_REPLICA_DEGRADED, degraded[2])
+    _adapters(st, spec, entries)
     first = replicaset.representative(entries)
     if first is None:
         for key in replicaset.MIRRORED:

@@ -23,7 +23,7 @@ ENTRY_KEYS = (
     "phase", "message", "routed", "leaving", "updated", "conditions", "rayCluster", "headJob",
     "servedJob", "servedHeadPod", "launchAttempts", "consecutiveFailures", "lastFailedJob",
     "lastFailureTime", "lastFailureReason", "nextLaunchTime", "launchDeadline", "probeFailures",
-    "probeFailingSince", "update", "failedUpdate", "load",
+    "probeFailingSince", "update", "failedUpdate", "load", "lora",
 )  # fmt: skip
 #: What the resource's own status shows of its first replica: the fields a single-group
 #: resource had, so tools written for one keep working.

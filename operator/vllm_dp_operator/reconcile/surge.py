@@ -22,12 +22,17 @@ from vllm_dp_operator.api import names
 from vllm_dp_operator.api.models import UpdateStrategy, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.kube import POD, RAYCLUSTER, RAYJOB, Kube
-from vllm_dp_operator.engines.headjobs import HeadJobs, head_pod_of, probed_gone
+from vllm_dp_operator.engines.headjobs import (
+    HeadJobs,
+    adapters_settled,
+    head_pod_of,
+    probed_gone,
+)
 from vllm_dp_operator.engines.jobstate import JobState, job_state
 from vllm_dp_operator.engines.prober import EngineProbes, Target
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.engines.transport import PROBES_OFF
-from vllm_dp_operator.plan import Plan
+from vllm_dp_operator.plan import Plan, lora_adapters
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.routing import Router, routed_pod, while_not_ready
 from vllm_dp_operator.reconcile.status import condition_status
@@ -124,18 +129,20 @@ async def keep_serving(
 
 def served_target(res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
                   head: Obj | None, draining: bool = False, job: str | None = None,
-                  ) -> Target:  # fmt: skip
+                  token: str | None = None) -> Target:  # fmt: skip
     """The serving generation's probe target on its head pod `head`: the same as the flow's
     while it served (engines/headjobs.py), so its answers so far count on with no fresh start;
     `draining`, a fresh one for a generation that drains (its first /metrics read comes after
-    the unroute); `job`, its head job where that is not status.servedJob (a Surge's old one)."""
+    the unroute); `job`, its head job where that is not status.servedJob (a Surge's old one);
+    `token`, the Ray token its adapters are synced with (spec.lora)."""
     obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
     job = job if job is not None else str(res.status.get("servedJob") or "")
     return Target(res.namespace, res.name, names.head_service(cluster),
                   _api_port(obj, spec.service.port), job,
                   None, spec.api_key_secret_ref is not None, res.replica, draining,
                   ranks=spec.data_parallel.size,
-                  head=(head or {}).get("metadata", {}).get("uid") or "")  # fmt: skip
+                  head=(head or {}).get("metadata", {}).get("uid") or "",
+                  adapters=lora_adapters(spec), token=token)  # fmt: skip
 
 
 def served_route(
@@ -153,7 +160,9 @@ def served_route(
     decision = while_not_ready(live)
     if decision is not None or not served or cfg.health_probe == PROBES_OFF:
         return decision
-    health = probes.health(served_target(res, spec, cluster, clusters, head, draining))
+    token = cfg.ray_tokens.of_cluster(res.namespace, res.name, spec.ray.auth)
+    health = probes.health(served_target(res, spec, cluster, clusters, head, draining,
+                                         token=token))  # fmt: skip
     if health.ok:
         return True
     return False if probed_gone(health, cfg, st.now) else None
@@ -166,6 +175,8 @@ def completion_ok(probes: EngineProbes, target: Target | None) -> tuple[bool, st
     answer = probes.completion(target)
     if answer is None:
         return False, "no completion asked yet (it follows the first /health 200)"
+    if answer.ok and not adapters_settled(probes, target):
+        return False, "its LoRA adapters are being loaded"
     return answer.ok, answer.detail
 
 
