@@ -1,5 +1,6 @@
 """Real vLLM engines at DP=2 on two real nodes, launched by the helm-installed operator from
-`examples/dev-cpu.yaml` as it is checked in (issue 10).
+`examples/dev-cpu-lora.yaml` (`examples/dev-cpu.yaml` with two LoRA adapters) as it is checked
+in (issue 10).
 
 vLLM's CPU build in the `vllm-dp-engine-cpu` test image serves the tiny model at
 /models/tiny; Ray nodes hold logical GPUs from the nodes' advertised `nvidia.com/gpu`, so the
@@ -58,17 +59,24 @@ from promlib import Prometheus, file_sd, pod_targets, scrape_config_from_pod_mon
 pytestmark = pytest.mark.cluster
 
 IMAGE = "vllm-dp-engine-cpu"
-EXAMPLE = REPO / "examples" / "dev-cpu.yaml"
+#: examples/dev-cpu.yaml with its two LoRA adapters (issue 40): every scenario here runs with
+#: them, and a relaunch or a Surge must bring them back before it is routed.
+EXAMPLE = REPO / "examples" / "dev-cpu-lora.yaml"
 NS = "t-vllm-cpu"
 # The API key clients must send: a test value, in a Secret the spec refers to.
 API_KEY = "sk-test-" + "5e1f" * 8
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def example(ns: str, max_model_len: int | None = None) -> dict[str, Any]:
-    """The checked-in example, plus the API key from the test's Secret."""
+def example(ns: str, max_model_len: int | None = None,
+            adapters: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The checked-in example, plus the API key from the test's Secret; `adapters` (name to
+    path) in place of its own."""
     doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["namespace"] = ns
+    if adapters is not None:
+        doc["spec"]["lora"]["adapters"] = [{"name": n, "source": {"path": p}}
+                                           for n, p in adapters.items()]  # fmt: skip
     doc["spec"]["apiKeySecretRef"] = {"name": "api-key", "key": "key"}
     if max_model_len is not None:
         args = doc["spec"]["engineArgs"]
@@ -371,6 +379,116 @@ def vdp_columns(vdp: Vdp) -> dict[str, str]:
     return kubectl_table(vdp.cluster.kubectl("get", "vdp", vdp.name, "-n", vdp.ns).stdout)[0]
 
 
+# --- LoRA adapters (issue 40) ----------------------------------------------------------------
+
+LORA = "/models/tiny-lora"
+#: The example's adapters.
+ADAPTERS = {"sql": f"{LORA}/sql", "chat": f"{LORA}/chat"}
+
+
+def ask(url: str, model: str, rank: int | None = None) -> int:
+    """One completion of `model` through the Service, pinned to a DP rank where given
+    (vLLM's X-data-parallel-rank header); its HTTP status, 0 when nothing answered."""
+    headers = dict(AUTH)
+    if rank is not None:
+        headers["X-data-parallel-rank"] = str(rank)
+    try:
+        return http_status(f"{url}/v1/completions", headers,
+                           {"model": model, "prompt": "hello world", "max_tokens": 2})
+    except OSError:
+        return 0
+
+
+def listed(url: str) -> set[str]:
+    return {m["id"] for m in http(f"{url}/v1/models", headers=AUTH)["data"]}
+
+
+def lora_condition(vdp: Vdp) -> dict[str, Any]:
+    return next((c for c in vdp.status().get("conditions") or [] if c["type"] == "LoRAReady"),
+                {})  # fmt: skip
+
+
+def test_lora_adapters_answer_on_every_rank(vdp: Vdp) -> None:
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+    assert listed(url) >= {"tiny", "sql", "chat"}
+    before = finished_by_engine(http(f"{url}/metrics"))
+    for name in ("sql", "chat"):
+        for rank in (0, 1):
+            assert ask(url, name, rank) == 200, (name, rank)
+    after = finished_by_engine(http(f"{url}/metrics"))
+    # Pinned: each engine finished the two adapters' requests sent to it.
+    assert all(after.get(e, 0) - before.get(e, 0) >= 2 for e in ("0", "1")), (before, after)
+    assert ask(url, "json") == 404  # not in the spec: vLLM does not know it
+    st = vdp.wait("status.lora ready 2/2", lambda: (s := vdp.status()).get("lora", {}).get(
+        "ready") == "2/2" and s, 60)  # fmt: skip
+    assert [a["replicas"] for a in st["lora"]["adapters"]] == [[0], [0]], st["lora"]
+    assert lora_condition(vdp)["status"] == "True"
+
+
+def test_lora_users_cannot_change_adapters_even_with_the_api_key(vdp: Vdp) -> None:
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+    body = {"lora_name": "json", "lora_path": f"{LORA}/json"}
+    assert http_status(f"{url}/v1/load_lora_adapter", AUTH, body) == 403
+    assert http_status(f"{url}/v1/unload_lora_adapter", AUTH, {"lora_name": "sql"}) == 403
+    assert http_status(f"{url}/adapters", AUTH, body) == 403
+    assert ask(url, "json") == 404 and ask(url, "sql") == 200
+
+
+def test_lora_added_and_removed_on_the_running_engines_with_no_failed_request(
+        vdp: Vdp) -> None:  # fmt: skip
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+    st = vdp.status()
+    job = st["headJob"]
+    uid, sid = (vdp.rayjob(job) or {})["metadata"]["uid"], vdp.rayjob(job)["status"]["jobId"]  # type: ignore[index]
+    started = vdp.dashboard_jobs()[sid]["start_time"]
+    with Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="traffic-lora",
+                 rate=10, api_key_secret=("api-key", "key")) as t:  # fmt: skip
+        t0 = time.monotonic()
+        vdp.cluster.apply(example(vdp.ns, adapters={**ADAPTERS, "json": f"{LORA}/json"}))
+        vdp.wait("json to answer on both ranks", lambda: ask(url, "json", 0) == 200
+                 and ask(url, "json", 1) == 200, 30, interval=0.5)  # fmt: skip
+        added = time.monotonic() - t0
+        t1 = time.monotonic()
+        vdp.cluster.apply(example(vdp.ns, adapters={"sql": ADAPTERS["sql"],
+                                                    "json": f"{LORA}/json"}))  # fmt: skip
+        vdp.wait("chat to be gone", lambda: ask(url, "chat") == 404, 30, interval=0.5)
+        removed = time.monotonic() - t1
+        time.sleep(2)
+    note(f"LoRA: an added adapter answered on both ranks {added:.1f}s after apply, a removed "
+         f"one answered 404 {removed:.1f}s after; base model {t.summary()}")  # fmt: skip
+    why = (f"{t.summary()}\nfirst failures: {json.dumps(t.result['failures'][:15], indent=1)}"
+           f"\n--- traffic client log\n{t.logs()}\n{vdp.diagnostics()}")  # fmt: skip
+    assert t.result["failed"] == 0 and t.result["rate"] >= 5, why
+    assert ask(url, "sql") == 200
+    now = vdp.rayjob(vdp.status()["headJob"])
+    assert now is not None and now["metadata"]["uid"] == uid  # the same head job
+    assert vdp.dashboard_jobs()[sid]["start_time"] == started and (
+        vdp.dashboard_jobs()[sid]["status"] == "RUNNING")  # fmt: skip
+    vdp.cluster.apply(example(vdp.ns))  # the example's own adapters again
+    vdp.wait("chat back", lambda: ask(url, "chat") == 200, 30, interval=0.5)
+
+
+def test_lora_a_bad_adapter_is_reported_and_the_rest_serve(vdp: Vdp) -> None:
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+    vdp.cluster.apply(example(vdp.ns, adapters={**ADAPTERS, "missing": f"{LORA}/missing",
+                                                "wide": f"{LORA}/wide"}))  # fmt: skip
+    cond = vdp.wait("LoRAReady False naming both", lambda: (c := lora_condition(vdp)).get(
+        "reason") == "AdapterFailed" and "missing" in c["message"] and "wide" in c["message"]
+        and c, 60)  # fmt: skip
+    assert cond["status"] == "False"
+    errors = {a["name"]: a.get("error") for a in vdp.status()["lora"]["adapters"]}
+    assert errors["sql"] is None and errors["chat"] is None, errors
+    assert "404" in errors["missing"] and "wide" in errors and errors["wide"], errors
+    events = vdp.cluster.kubectl("get", "events", "-n", vdp.ns, "--field-selector",
+                                 f"involvedObject.name={vdp.name},reason=AdapterFailed"
+                                 ).stdout  # fmt: skip
+    assert "missing" in events and "wide" in events, events
+    assert ask(url, "tiny") == 200 and ask(url, "sql") == 200 and ask(url, "chat") == 200
+    assert ask(url, "missing") == 404
+    vdp.cluster.apply(example(vdp.ns))
+    vdp.wait("LoRAReady True again", lambda: lora_condition(vdp).get("status") == "True", 60)
+
+
 def test_prometheus_scrapes_vllm_and_status_load_follows(
     vdp: Vdp, tmp_path: Path
 ) -> None:
@@ -472,10 +590,49 @@ def test_engine_only_change_relaunches_on_same_pods_with_probes_off(vdp: Vdp) ->
         operator_values()  # the bed's own values again, probes on
 
 
-def test_worker_pod_killed_relaunches_with_backoff(vdp: Vdp) -> None:
+class AdapterWatch:
+    """Asks the base model, then each adapter, through the Service every half second, from
+    the host, and keeps each round's statuses: whether a relaunch was routed before its
+    adapters were back."""
+
+    def __init__(self, url: str, adapters: list[str]) -> None:
+        self.url, self.adapters = url, adapters
+        self.rounds: list[tuple[float, int, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            base = ask(self.url, "tiny")
+            self.rounds.append((time.time(), base, {a: ask(self.url, a) for a in self.adapters}
+                                if base == 200 else {}))  # fmt: skip
+
+    def __enter__(self) -> AdapterWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def back_without_adapters(self) -> list[tuple[float, dict[str, int]]]:
+        """Rounds after the outage in which the base model answered and an adapter did not."""
+        down = next((i for i, r in enumerate(self.rounds) if r[1] != 200), None)
+        if down is None:
+            return []
+        return [(at, got) for at, base, got in self.rounds[down:]
+                if base == 200 and any(code != 200 for code in got.values())]
+
+
+def test_worker_pod_killed_relaunches_with_backoff(vdp: Vdp,
+                                                   request: pytest.FixtureRequest) -> None:
+    """Also issue 40: the relaunch is routed only once its LoRA adapters are back."""
     st = vdp.status()
     old_job, failures = st["headJob"], st.get("consecutiveFailures", 0)
     worker = vdp.pods()["worker"]["metadata"]
+    watch = AdapterWatch(f"http://{vdp.service_ip()}:{API_PORT}", list(ADAPTERS))
+    request.addfinalizer(watch.__exit__)
+    watch.__enter__()
     t0 = time.monotonic()
     vdp.cluster.kubectl("delete", "pod", worker["name"], "-n", vdp.ns, "--wait=false")
 
@@ -506,6 +663,12 @@ def test_worker_pod_killed_relaunches_with_backoff(vdp: Vdp) -> None:
     assert waited >= 4, (relaunch["metadata"]["creationTimestamp"], failed["lastFailureTime"])
     vdp.wait_phase("Serving", 600, job=new)
     note(f"worker killed: Serving again {time.monotonic() - t0:.0f}s later")
+    time.sleep(3)
+    watch.__exit__()
+    outage = [r for r in watch.rounds if r[1] != 200]
+    assert outage, "the watch never saw the relaunch's outage"
+    assert watch.back_without_adapters() == [], watch.back_without_adapters()[:10]
+    assert watch.rounds[-1][1] == 200 and set(watch.rounds[-1][2].values()) == {200}
     LAUNCHES.append(launch_of(vdp, "worker pod killed", created, joined=True))
     assert vdp.pods()["worker"]["metadata"]["uid"] != worker["uid"]
     out = completion(f"http://{vdp.service_ip()}:{API_PORT}", http)

