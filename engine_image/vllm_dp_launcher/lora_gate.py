@@ -5,9 +5,9 @@ With VLLM_ALLOW_RUNTIME_LORA_UPDATING set, vLLM serves /v1/load_lora_adapter and
 registers the same handlers under /adapters, outside the paths its API-key check guards. This
 ASGI middleware, which vLLM 0.33 installs outside its own API-key check, answers 403 to any
 call of those paths that does not carry the Ray cluster's token (which only the Ray pods,
-KubeRay and the operator hold) in the header the operator sends Ray. A call that does is
-passed on with the header removed, and with the API key vLLM wants where there is one: the
-operator holds no API key.
+KubeRay and the operator hold) in the header the operator sends Ray. A call that does, and
+the operator's read of /v1/models, are passed on with the header removed and with the API key
+vLLM wants where there is one: the operator holds no API key.
 """
 
 from __future__ import annotations
@@ -34,9 +34,18 @@ GATED = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 GATED_PREFIX = "/adapters"
 
 
+#: The model list the operator reads the loaded adapters from; with the token, it gets the API
+#: key too.
+LISTED = "/v1/models"
+
+
+def _normal(path: str) -> str:
+    return "/" + path.lstrip("/").rstrip("/")
+
+
 def gated(path: str) -> bool:
     """Whether a request path changes the served adapters."""
-    path = "/" + path.lstrip("/").rstrip("/")
+    path = _normal(path)
     return path in GATED or path == GATED_PREFIX or path.startswith(GATED_PREFIX + "/")
 
 
@@ -49,14 +58,18 @@ class LoraGate:
         self._api_key = api_key if api_key is not None else os.environ.get("VLLM_API_KEY", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or not gated(str(scope.get("path", ""))):
+        path = str(scope.get("path", ""))
+        if scope.get("type") != "http" or not (gated(path) or _normal(path) == LISTED):
             await self.app(scope, receive, send)
             return
         headers = list(scope.get("headers") or [])
         given = b"".join(v for k, v in headers if k.lower() == TOKEN_HEADER)
         want = f"Bearer {self._token}".encode()
         if not self._token or not hmac.compare_digest(given, want):
-            await _refuse(send)
+            if gated(path):
+                await _refuse(send)
+            else:  # a client's own model list: as vLLM answers it
+                await self.app(scope, receive, send)
             return
         kept = [(k, v) for k, v in headers
                 if k.lower() not in (TOKEN_HEADER, b"authorization")]  # fmt: skip

@@ -96,3 +96,14 @@ async def test_other_requests_pass_untouched() -> None:
     status, _ = await call(LoraGate(inner, token=TOKEN), "/v1/completions", headers)
     assert status == 200
     assert inner.scopes[0]["headers"] == headers
+
+
+async def test_the_operators_model_list_gets_the_api_key_a_clients_passes_as_it_is() -> None:
+    inner = Inner()
+    gate = LoraGate(inner, token=TOKEN, api_key="sk-1")
+    assert (await call(gate, "/v1/models", [(b"x-ray-authorization",
+                                             f"Bearer {TOKEN}".encode())]))[0] == 200
+    assert inner.scopes[0]["headers"] == [(b"authorization", b"Bearer sk-1")]
+    client = [(b"authorization", b"Bearer guess"), (b"x-ray-authorization", b"Bearer no")]
+    assert (await call(gate, "/v1/models", client))[0] == 200
+    assert inner.scopes[1]["headers"] == client  # vLLM's own key check answers it
