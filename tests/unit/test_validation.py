@@ -69,6 +69,9 @@ def adapter(name: str, **source: str) -> dict[str, Any]:
 
 VALID: list[Any] = [
     pytest.param({}, id="base"),
+    pytest.param(env({"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"},
+                     {"name": "NOTIFY", "value": "ops@example.com"}),
+                 id="urls-and-addresses-without-credentials"),
     pytest.param(lora(adapter("sql", path="/adapters/sql"), adapter("chat", huggingFace="o/r"),
                       maxLoras=2, maxLoraRank=64, maxCpuLoras=4), id="lora"),
     pytest.param({"modelCache": {"claimName": "models"}, "apiServerCount": 1,
@@ -497,6 +500,10 @@ INVALID: list[Any] = [
         {"service": {"allowFrom": []}}, "spec.service.allowFrom", "at least 1 item",
         id="allow-from-empty-list",
     ),
+    *(pytest.param(env({"name": name, "value": value}), "spec.env",
+                   "must not hold a URL with '@' as a literal value", id=f"credential-url-{name}")
+      for name, value in (("HTTPS_PROXY", "http://user:pw@proxy:3128"),
+                          ("MODEL_STORE", "s3://key:secret@bucket/models"))),
     pytest.param(lora(adapter("a", path="/x", huggingFace="o/r")), "spec.lora.adapters",
                  "exactly one of modelCache, path and huggingFace", id="lora-two-sources"),
     pytest.param(lora(adapter("a")), "spec.lora.adapters",

@@ -516,6 +516,18 @@ RULES: tuple[Rule, ...] = (
         holds=lambda s: all(e.value is None or not _SECRET_ENV.search(e.name) for e in s.env),
     ),
     Rule(
+        field="env",
+        # contains, not a regex: the API server prices a regex by the longest value times the
+        # pattern, over 128 variables of 32 KiB, far past its budget.
+        cel="self.env.all(e, !has(e.value) || !(e.value.contains('://') && "
+        "e.value.contains('@')))",
+        message="must not hold a URL with '@' as a literal value (user:password@host, as a "
+        "proxy or store URL carries credentials): it would be readable in the RayJob; put "
+        "the URL in a Secret and use valueFrom.secretKeyRef",
+        holds=lambda s: all(e.value is None or not ("://" in e.value and "@" in e.value)
+                            for e in s.env),
+    ),
+    Rule(
         field="model",
         cel="!self.model.startsWith('-')",
         message="must not begin with '-': vllm serve would read it as a flag",
