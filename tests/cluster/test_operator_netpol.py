@@ -1,14 +1,15 @@
 """The NetworkPolicy in front of the Ray pods, enforced for real (issue 19, item 1).
 
 The bed's enforcer is kube-router's firewall controller (tests/testbed/netpolicy.py), acting
-for node-1's pods, so the resource's one Ray pod runs there (DP=2, both ranks on the head; the
-engine double). Clients are pods of the engine-double image (it has python3) in other
+for node-1's pods, so the resource's two Ray pods run there (DP=2, a rank on the head and one on
+a worker; the engine double). Clients are pods of the engine-double image (it has python3) in other
 namespaces, each trying a TCP connect to the head pod: Ray's ports 6379 (GCS), 8265
 (dashboard and job API) and 10001 (client) must not connect, the API port must, until
 `spec.service.allowFrom` narrows it. The operator, in its own pod, keeps reaching the
 dashboard and /health: the resource serves, and an engine-only change stops the old Ray job
 and confirms it. Turning the policy off opens the Ray ports again: the closed ports were the
-policy's doing, not a port nobody listens on.
+policy's doing, not a port nobody listens on. The API port is open on the head pod only: a
+listener on a worker's port of that number answers the head, and no client (issue 39).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def resource(extra_args: list[str], **service: Any) -> dict[str, Any]:
     return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
             "metadata": {"name": NAME, "namespace": NS},
             "spec": {"model": "cluster/double-model", "servedModelName": "double",
-                     "image": f"{IMAGE}:dev", "dataParallel": {"size": 2, "ranksPerNode": 2},
+                     "image": f"{IMAGE}:dev", "dataParallel": {"size": 2, "ranksPerNode": 1},
                      "apiServerCount": 1, "shmSize": "64Mi", "engineArgs": extra_args,
                      # Where the bed enforces NetworkPolicy (one enforcer per network namespace).
                      "nodeSelector": {"kubernetes.io/hostname": ENFORCED_NODE},
@@ -131,6 +132,29 @@ def test_ray_ports_closed_to_another_namespace_api_port_open(vdp: Vdp) -> None:
     assert connect(vdp, "outside", svc["spec"]["clusterIP"], DASHBOARD_PORT) != "open"
 
 
+def test_a_workers_api_port_answers_no_one_outside_the_resource(vdp: Vdp) -> None:
+    vdp.wait_phase("Serving", 300)
+    pods = vdp.pods()
+    worker, head = pods["worker"], pods["head"]
+    assert worker["spec"]["nodeName"] == ENFORCED_NODE
+    ip = worker["status"]["podIP"]
+    # Something on the worker takes the API port's number (a Ray, NCCL or ZMQ listener may).
+    vdp.cluster.exec(NS, worker["metadata"]["name"], "sh", "-c",
+                     f"nohup python3 -m http.server {API_PORT} >/dev/null 2>&1 &")  # fmt: skip
+
+    def from_head() -> str:
+        return vdp.cluster.exec(NS, head["metadata"]["name"], "python3", "-c", _CONNECT, ip,
+                                str(API_PORT)).stdout.strip()  # fmt: skip
+
+    vdp.wait("the listener on the worker, seen from its own head", lambda: from_head() == "open",
+             30)  # fmt: skip
+    for client in ("outside", "stranger"):
+        assert connect(vdp, client, ip, API_PORT) != "open", client
+    assert connect(vdp, "outside", head_ip(vdp), API_PORT) == "open"
+    api = vdp.cluster.kubectl_json("get", "networkpolicy", f"{NAME}-api-port", "-n", NS)
+    assert api["spec"]["podSelector"]["matchLabels"]["ray.io/node-type"] == "head"
+
+
 def test_operator_still_stops_and_confirms_through_the_dashboard(vdp: Vdp) -> None:
     st = vdp.wait_phase("Serving", 300)
     old_job = st["headJob"]
@@ -151,7 +175,7 @@ def test_allow_from_admits_only_the_selected_pods(vdp: Vdp) -> None:
     vdp.wait_phase("Serving", 300)
     vdp.cluster.apply(resource(["--max-num-seqs=6"], allowFrom=ALLOW))
     vdp.wait("the policy rendered from allowFrom", lambda: json.loads(vdp.cluster.kubectl(
-        "get", "networkpolicy", f"{NAME}-ray", "-n", NS, "-o", "json").stdout)["spec"][
+        "get", "networkpolicy", f"{NAME}-api-port", "-n", NS, "-o", "json").stdout)["spec"][
         "ingress"][-1].get("from") is not None, 60)  # fmt: skip
     ip = head_ip(vdp)
     settled(vdp, "outside", ip, (API_PORT,), want_open=False)
@@ -167,8 +191,9 @@ def test_turning_the_policy_off_opens_the_ray_ports(vdp: Vdp) -> None:
     body = resource(["--max-num-seqs=6"])
     body["spec"]["networkPolicy"] = {"enabled": False}
     vdp.cluster.apply(body)
-    vdp.wait("the policy deleted", lambda: vdp.cluster.kubectl(
-        "get", "networkpolicy", f"{NAME}-ray", "-n", NS, check=False).returncode != 0, 60)
+    vdp.wait("the policies deleted", lambda: vdp.cluster.kubectl(
+        "get", "networkpolicy", f"{NAME}-ray", f"{NAME}-api-port", "-n", NS,
+        "--ignore-not-found", "-o", "name").stdout.strip() == "", 60)  # fmt: skip
     settled(vdp, "outside", head_ip(vdp), RAY_PORTS, want_open=True)
     vdp.cluster.apply(resource(["--max-num-seqs=6"]))  # on again: closed again
     settled(vdp, "outside", head_ip(vdp), RAY_PORTS, want_open=False)

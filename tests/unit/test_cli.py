@@ -94,14 +94,14 @@ def test_render_every_example(example: Path, capsys: pytest.CaptureFixture[str])
     code, out, err = run(capsys, "render", "-f", str(example))
     assert (code, err) == (0, "")
     docs = list(yaml.safe_load_all(out))
-    assert [d["kind"] for d in docs] == ["NetworkPolicy", "RayCluster", "Service", "EndpointSlice",
-                                         "RayJob"]  # fmt: skip
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "NetworkPolicy", "RayCluster", "Service",
+                                         "EndpointSlice", "RayJob"]  # fmt: skip
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     for doc in docs:
         assert doc["metadata"]["namespace"] == "default"
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == name
         assert "ownerReferences" not in doc["metadata"]  # no uid without a cluster
-    policy, cluster, service, eps, job = docs
+    _api_policy, policy, cluster, service, eps, job = docs
     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == name
     assert "selector" not in service["spec"]
     assert eps["metadata"]["labels"]["kubernetes.io/service-name"] == service["metadata"]["name"]
@@ -131,8 +131,8 @@ def test_render_engine_image_and_namespace(
     stdin(monkeypatch, yaml.safe_dump(doc))
     code, out, _ = run(capsys, "render", "-f", "-", "--engine-image", "reg/engine:7")
     assert code == 0
-    policy, cluster, service, eps, job = yaml.safe_load_all(out)
-    docs = (policy, cluster, service, eps, job)
+    api_policy, policy, cluster, service, eps, job = yaml.safe_load_all(out)
+    docs = (api_policy, policy, cluster, service, eps, job)
     assert {d["metadata"]["namespace"] for d in docs} == {"serving"}
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert head["image"] == "reg/engine:7"
@@ -157,10 +157,12 @@ def test_stdin_with_several_documents_and_other_kinds(
     # A suspended resource gets its (suspended) cluster, and no Service, slice or head job.
     assert kinds == [
         ("NetworkPolicy", "one"),
+        ("NetworkPolicy", "one"),
         ("RayCluster", "one"),
         ("Service", "one"),
         ("EndpointSlice", "one"),
         ("RayJob", "one"),
+        ("NetworkPolicy", "two"),
         ("NetworkPolicy", "two"),
         ("RayCluster", "two"),
     ]

@@ -239,9 +239,9 @@ async def test_api_calls_per_reconcile_are_pinned_and_never_list() -> None:
             await bed.ctl.status.idle()  # status changes are written in the background
             return {k: v for k, v in (Counter(bed.api.calls) - before).items() if v}
 
-        # NetworkPolicy, Service, the Ray token Secret (created, never read), RayCluster, its
-        # EndpointSlice (no endpoint yet), status.
-        assert await one() == {"create": 5, "patch_status": 1}
+        # The two NetworkPolicies, Service, the Ray token Secret (created, never read),
+        # RayCluster, its EndpointSlice (no endpoint yet), status.
+        assert await one() == {"create": 6, "patch_status": 1}
         assert await one() == {"patch_status": 1}  # the RayCluster is seen: a new message
         assert await one() == {}
         bed.cluster_ready()

@@ -13,7 +13,7 @@ from vllm_dp_operator.config import Config, PolicyPeers, RenderOptions, parse_la
 from vllm_dp_operator.controller.kube import NETWORKPOLICY
 from vllm_dp_operator.render.manifests import parse_resource, render_resource
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.render.networkpolicy import build_network_policy
+from vllm_dp_operator.render.networkpolicy import build_api_network_policy, build_network_policy
 from world import World, spec
 
 OWNER = owner_reference("demo", "uid-demo")
@@ -27,8 +27,15 @@ OWN_PODS = {"matchLabels": {c.LABEL_INSTANCE: "demo", c.LABEL_COMPONENT: c.COMPO
                             c.LABEL_MANAGED_BY: c.MANAGER}}  # fmt: skip
 
 
+HEADS = {"matchLabels": {**OWN_PODS["matchLabels"], "ray.io/node-type": "head"}}
+
+
 def policy(peers: PolicyPeers = PEERS, **over: Any) -> dict[str, Any]:
     return build_network_policy("demo", "ns", validate("demo", spec(**over)), peers, OWNER)
+
+
+def api_policy(peers: PolicyPeers = PEERS, **over: Any) -> dict[str, Any]:
+    return build_api_network_policy("demo", "ns", validate("demo", spec(**over)), peers, OWNER)
 
 
 def rule_ports(rule: dict[str, Any]) -> list[int] | None:
@@ -47,7 +54,7 @@ def test_selects_every_ray_pod_of_the_resource_and_only_ingress() -> None:
 
 
 def test_ray_ports_admit_the_cluster_the_operator_and_kuberay_only() -> None:
-    own, operator, kuberay, api = policy()["spec"]["ingress"]
+    own, operator, kuberay = policy()["spec"]["ingress"]
     # Every port from the cluster's own pods: Ray picks worker ports at random.
     assert own == {"from": [{"podSelector": OWN_PODS}]}
     assert operator["from"] == [{
@@ -55,29 +62,39 @@ def test_ray_ports_admit_the_cluster_the_operator_and_kuberay_only() -> None:
         "podSelector": {"matchLabels": {"app.kubernetes.io/instance": "vdp",
                                         "app.kubernetes.io/name": "vllm-dp-operator"}},
     }]  # fmt: skip
-    assert rule_ports(operator) == [c.RAY_DASHBOARD_PORT, c.DEFAULT_SERVING_PORT]
+    assert rule_ports(operator) == [c.RAY_DASHBOARD_PORT]
     assert kuberay["from"] == [{
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}},
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
     }]  # fmt: skip
     assert rule_ports(kuberay) == [c.RAY_DASHBOARD_PORT]
-    # The API port from anywhere by default; no rule names GCS or the client port to others.
+
+
+def test_the_api_port_opens_on_the_head_pods_only() -> None:
+    np = api_policy()
+    assert np["metadata"]["name"] == "demo-api-port"
+    assert np["metadata"]["ownerReferences"] == [OWNER]
+    assert np["spec"]["podSelector"] == HEADS and np["spec"]["policyTypes"] == ["Ingress"]
+    operator, api = np["spec"]["ingress"]
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "vdp-system"}
+    assert rule_ports(operator) == [c.DEFAULT_SERVING_PORT]
+    # The API port from anywhere by default; neither policy opens GCS or the client port.
     assert api == {"ports": [{"protocol": "TCP", "port": c.DEFAULT_SERVING_PORT}]}
-    for rule in (operator, kuberay, api):
+    for rule in (*policy()["spec"]["ingress"], operator, api):
         assert not {c.RAY_GCS_PORT, c.RAY_CLIENT_PORT} & set(rule_ports(rule) or [])
 
 
 def test_api_port_follows_spec_service_port() -> None:
-    *_, operator, _kuberay, api = policy(service={"port": 9000})["spec"]["ingress"]
-    assert rule_ports(api) == [9000]
-    assert rule_ports(operator) == [c.RAY_DASHBOARD_PORT, 9000]
+    operator, api = api_policy(service={"port": 9000})["spec"]["ingress"]
+    assert rule_ports(api) == [9000] and rule_ports(operator) == [9000]
 
 
 def test_allow_from_restricts_the_api_port() -> None:
     allow = [{"namespaceSelector": {"matchLabels": {"team": "y"}},
               "podSelector": {"matchLabels": {"role": "x"}}},
              {"podSelector": {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}}]
-    api = policy(service={"allowFrom": allow})["spec"]["ingress"][-1]
+    api = api_policy(service={"allowFrom": allow})["spec"]["ingress"][-1]
     assert api["from"] == [
         {"namespaceSelector": {"matchLabels": {"team": "y"}},
          "podSelector": {"matchLabels": {"role": "x"}}},
@@ -90,9 +107,11 @@ def test_operator_outside_the_cluster_is_admitted_by_address_block() -> None:
     peers = PolicyPeers(operator_cidrs=("10.0.0.10/32",))
     rules = policy(peers)["spec"]["ingress"]
     assert rules[1] == {"from": [{"ipBlock": {"cidr": "10.0.0.10/32"}}],
-                        "ports": [{"protocol": "TCP", "port": c.RAY_DASHBOARD_PORT},
-                                  {"protocol": "TCP", "port": c.DEFAULT_SERVING_PORT}]}  # fmt: skip
-    assert len(rules) == 3  # no operator or KubeRay namespace known: no pod peer for them
+                        "ports": [{"protocol": "TCP", "port": c.RAY_DASHBOARD_PORT}]}
+    assert len(rules) == 2  # no operator or KubeRay namespace known: no pod peer for them
+    assert api_policy(peers)["spec"]["ingress"][0] == {
+        "from": [{"ipBlock": {"cidr": "10.0.0.10/32"}}],
+        "ports": [{"protocol": "TCP", "port": c.DEFAULT_SERVING_PORT}]}
 
 
 def test_kuberay_defaults_to_the_operator_namespace() -> None:
@@ -105,8 +124,9 @@ def test_kuberay_defaults_to_the_operator_namespace() -> None:
 def test_offline_render_puts_the_policy_first_unless_turned_off() -> None:
     doc = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
            "metadata": {"name": "demo", "namespace": "ns"}, "spec": spec()}  # fmt: skip
-    kinds = [d["kind"] for d in render_resource(parse_resource(doc), RenderOptions())]
-    assert kinds[:2] == ["NetworkPolicy", "RayCluster"]
+    out = render_resource(parse_resource(doc), RenderOptions())
+    assert [d["kind"] for d in out][:3] == ["NetworkPolicy", "NetworkPolicy", "RayCluster"]
+    assert [d["metadata"]["name"] for d in out][:2] == ["demo-api-port", "demo-ray"]
     doc["spec"] = spec(networkPolicy={"enabled": False})
     assert "NetworkPolicy" not in [d["kind"] for d in
                                    render_resource(parse_resource(doc), RenderOptions())]
@@ -155,14 +175,28 @@ def _policies(w: World) -> list[dict[str, Any]]:
     return w.kube.named(NETWORKPOLICY)
 
 
-async def test_reconcile_creates_the_policy_before_the_cluster() -> None:
+async def test_reconcile_creates_the_policies_before_the_cluster() -> None:
     w = World()
     await w.step()
-    (np,) = _policies(w)
-    assert np["metadata"]["name"] == "demo-ray"
-    assert np["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+    assert sorted(np["metadata"]["name"] for np in _policies(w)) == ["demo-api-port", "demo-ray"]
+    assert {np["metadata"]["ownerReferences"][0]["uid"] for np in _policies(w)} == {"uid-demo"}
     creates = [kind for verb, kind, _ in w.kube.writes if verb == "create"]
     assert creates.index("networkpolicies") < creates.index("rayclusters")
+
+
+async def test_an_upgrade_opens_the_head_policy_before_the_old_rule_goes() -> None:
+    w = World()
+    await w.step()
+    key = (NETWORKPOLICY, "default", "demo-ray")
+    old = dict(w.kube.objects[key])
+    old["spec"] = {**old["spec"], "ingress": [*old["spec"]["ingress"],
+                                               {"ports": [{"protocol": "TCP", "port": 8000}]}]}
+    w.kube.objects[key] = old  # as an earlier version left it: the API rule on every Ray pod
+    del w.kube.objects[(NETWORKPOLICY, "default", "demo-api-port")]
+    w.kube.writes.clear()
+    await w.step()
+    writes = [(verb, kind) for verb, kind, _ in w.kube.writes if kind == "networkpolicies"]
+    assert writes == [("create", "networkpolicies"), ("patch", "networkpolicies")]
 
 
 async def test_an_edited_policy_is_put_back_and_a_deleted_one_recreated() -> None:
@@ -193,4 +227,5 @@ async def test_turning_it_off_deletes_ours_and_leaves_a_namesakes_alone() -> Non
                "spec": {"podSelector": {}}}  # fmt: skip
     w.kube.objects[(NETWORKPOLICY, "default", "demo-ray")] = foreign
     await w.step()
-    assert _policies(w) == [foreign]
+    assert w.kube.objects[(NETWORKPOLICY, "default", "demo-ray")] == foreign
+    assert sorted(np["metadata"]["name"] for np in _policies(w)) == ["demo-api-port", "demo-ray"]

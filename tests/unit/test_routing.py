@@ -211,5 +211,5 @@ async def test_a_fresh_world_creates_service_and_slice_first() -> None:
     kinds = [kind for verb, kind, _ in w.kube.writes if verb == "create"]
     # The NetworkPolicy first (the Ray pods are never up without it), the Ray token Secret
     # before the cluster whose pods read it.
-    assert kinds[:5] == ["networkpolicies", "services", "secrets", "rayclusters",
-                         "endpointslices"]  # fmt: skip
+    assert kinds[:6] == ["networkpolicies", "networkpolicies", "services", "secrets",
+                         "rayclusters", "endpointslices"]  # fmt: skip

@@ -106,6 +106,11 @@ def network_policy(instance: str) -> str:
     return f"{instance}{constants.NETWORK_POLICY_SUFFIX}"
 
 
+def api_network_policy(instance: str) -> str:
+    """The NetworkPolicy that admits the API port, on the resource's head pods only."""
+    return f"{instance}{constants.API_POLICY_SUFFIX}"
+
+
 def endpoint(instance: str, namespace: str, port: int) -> str:
     """In-cluster base URL of the OpenAI-compatible API, as a user types it.
 

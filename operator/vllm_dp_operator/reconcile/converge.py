@@ -38,7 +38,7 @@ from vllm_dp_operator.reconcile.update import HOLD_FOR_SLOT
 from vllm_dp_operator.render import build_service
 from vllm_dp_operator.render.headjob import job_hash
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
+from vllm_dp_operator.render.networkpolicy import build_network_policies, wanted
 from vllm_dp_operator.render.raycluster import cluster_hash
 
 __all__ = ["Outcome", "Resource", "reconcile"]
@@ -105,21 +105,25 @@ async def _withdraw_service(kube: Kube, res: Resource) -> None:
 async def _ensure_network_policy(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, cfg: Config, owner: dict[str, Any]
 ) -> None:
-    """Create or repair the policy in front of the Ray pods; delete ours when turned off."""
-    name = names.network_policy(res.name)
-    current = await kube.get(NETWORKPOLICY, res.namespace, name)
-    if current is not None and not ours([current], res.uid):
-        return  # a deleted namesake's, until the garbage collector takes it
-    if not wanted(spec, cfg.render.peers):
-        if current is not None and not current["metadata"].get("deletionTimestamp"):
-            await kube.delete(NETWORKPOLICY, res.namespace, name)
-        return
-    desired = build_network_policy(res.name, res.namespace, spec, cfg.render.peers, owner)
-    if current is None:
-        await create_child(kube, NETWORKPOLICY, desired)
-    elif current.get("spec") != desired["spec"]:
-        # A merge patch replaces each list whole, so an edited rule goes back as rendered.
-        await kube.patch(NETWORKPOLICY, res.namespace, name, {"spec": desired["spec"]})
+    """Create or repair the policies in front of the Ray pods, the API port's first; delete
+    ours when turned off."""
+    on = wanted(spec, cfg.render.peers)
+    desired = (build_network_policies(res.name, res.namespace, spec, cfg.render.peers, owner)
+               if on else [])  # fmt: skip
+    by_name = {d["metadata"]["name"]: d for d in desired}
+    for name in (names.api_network_policy(res.name), names.network_policy(res.name)):
+        current = await kube.get(NETWORKPOLICY, res.namespace, name)
+        if current is not None and not ours([current], res.uid):
+            continue  # a deleted namesake's, until the garbage collector takes it
+        want = by_name.get(name)
+        if want is None:
+            if current is not None and not current["metadata"].get("deletionTimestamp"):
+                await kube.delete(NETWORKPOLICY, res.namespace, name)
+        elif current is None:
+            await create_child(kube, NETWORKPOLICY, want)
+        elif current.get("spec") != want["spec"]:
+            # A merge patch replaces each list whole, so an edited rule goes back as rendered.
+            await kube.patch(NETWORKPOLICY, res.namespace, name, {"spec": want["spec"]})
 
 
 class Slots(Protocol):

@@ -19,7 +19,7 @@ from vllm_dp_operator.render import (
     build_raycluster,
     build_service,
 )
-from vllm_dp_operator.render.networkpolicy import build_network_policy, wanted
+from vllm_dp_operator.render.networkpolicy import build_network_policies, wanted
 
 DEFAULT_NAMESPACE = "default"
 # The first head job of a resource; status.launchAttempts counts jobs created, from 0.
@@ -62,15 +62,16 @@ def parse_resource(doc: Mapping[str, Any]) -> Resource:
 def render_resource(
     resource: Resource, options: RenderOptions, owner: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """NetworkPolicy (unless turned off), each replica's RayCluster, Service, its EndpointSlice
-    (no endpoint yet: a head pod's address is known only once it runs) and each replica's first
-    head job, in creation order. A suspended resource has no Service, slice or head job."""
+    """The NetworkPolicies (unless turned off), each replica's RayCluster, Service, its
+    EndpointSlice (no endpoint yet: a head pod's address is known only once it runs) and each
+    replica's first head job, in creation order. A suspended resource has no Service, slice or
+    head job."""
     name, ns, spec, plan = resource.name, resource.namespace, resource.spec, resource.plan
     clusters = [build_raycluster(name, ns, spec, plan, options, owner, r)
                 for r in range(spec.replicas)]  # fmt: skip
     out = []
     if wanted(spec, options.peers):
-        out.append(build_network_policy(name, ns, spec, options.peers, owner))
+        out += build_network_policies(name, ns, spec, options.peers, owner)
     out += clusters
     if not spec.suspend:
         out += [build_service(name, ns, spec, owner),

@@ -1,15 +1,20 @@
-"""Render the NetworkPolicy that closes a resource's Ray pods to all but the cluster itself.
+"""Render the NetworkPolicies that close a resource's Ray pods to all but the cluster itself.
 
 Ray's ports (GCS, dashboard and job API, client, object and node managers, workers) carry no
 authentication of their own: whoever reaches the dashboard runs code on the GPU pods. The
-policy selects every Ray pod of the resource (head and workers, of every cluster shape) and
-admits, for ingress:
+first policy (`<name>-ray`) selects every Ray pod of the resource (head and workers, of every
+cluster shape) and admits, for ingress:
 
 - every port from those same pods (Ray picks its worker ports at random);
-- the dashboard and the API port from the operator's pods (the Ray job API, /health and
-  /metrics), and from the operator's address blocks when it runs outside the pod network;
-- the dashboard from KubeRay's operator pods (HTTP-mode RayJobs are submitted and polled there);
-- the API port from everywhere, or from `spec.service.allowFrom` when that is set.
+- the dashboard from the operator's pods (the Ray job API), and from the operator's address
+  blocks when it runs outside the pod network;
+- the dashboard from KubeRay's operator pods (HTTP-mode RayJobs are submitted and polled there).
+
+The second (`<name>-api-port`) selects only the head pods, where vLLM's API server listens,
+and admits the API port from the operator (/health, /metrics, the LoRA calls) and from
+everywhere, or from `spec.service.allowFrom` when that is set. A worker's port of the same
+number (a Ray, NCCL or ZMQ listener may take it) stays closed to all but the cluster itself.
+Policies add up, so the API policy is written before the other drops its old API rule.
 
 Egress is left alone: the engines download models and reach whatever the user points them at.
 """
@@ -95,26 +100,58 @@ def build_network_policy(
     peers: PolicyPeers,
     owner: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """The NetworkPolicy in front of one resource's Ray pods (see the module docstring)."""
+    """The NetworkPolicy in front of all of one resource's Ray pods (the module docstring)."""
     own_pods = ray_pod_selector(instance)
-    api_port = spec.service.port
     dashboard = constants.RAY_DASHBOARD_PORT
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": own_pods}]}]
     if operator := operator_peers(peers):
-        ingress.append({"from": operator, "ports": _ports(dashboard, api_port)})
+        ingress.append({"from": operator, "ports": _ports(dashboard)})
     if kuberay := kuberay_peers(peers):
         ingress.append({"from": kuberay, "ports": _ports(dashboard)})
+    return _policy(names.network_policy(instance), instance, namespace, own_pods, ingress, owner)
+
+
+def build_api_network_policy(
+    instance: str,
+    namespace: str,
+    spec: VLLMDataParallelSpec,
+    peers: PolicyPeers,
+    owner: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The NetworkPolicy that opens the API port on one resource's head pods only."""
+    heads = ray_pod_selector(instance)
+    heads["matchLabels"][constants.LABEL_RAY_NODE_TYPE] = "head"
+    api_port = spec.service.port
+    ingress: list[dict[str, Any]] = []
+    if operator := operator_peers(peers):
+        ingress.append({"from": operator, "ports": _ports(api_port)})
     api_rule: dict[str, Any] = {"ports": _ports(api_port)}
     if spec.service.allow_from is not None:
         # A rule without `from` admits every source; allowFrom is never empty (the schema).
         api_rule = {"from": [_peer(s) for s in spec.service.allow_from], **api_rule}
     ingress.append(api_rule)
+    return _policy(names.api_network_policy(instance), instance, namespace, heads, ingress,
+                   owner)  # fmt: skip
+
+
+def build_network_policies(
+    instance: str, namespace: str, spec: VLLMDataParallelSpec, peers: PolicyPeers,
+    owner: dict[str, Any] | None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Both policies, the API port's first (see the module docstring)."""
+    return [build_api_network_policy(instance, namespace, spec, peers, owner),
+            build_network_policy(instance, namespace, spec, peers, owner)]  # fmt: skip
+
+
+def _policy(name: str, instance: str, namespace: str, pods: dict[str, Any],
+            ingress: list[dict[str, Any]], owner: dict[str, Any] | None,
+            ) -> dict[str, Any]:  # fmt: skip
     labels = names.instance_labels(instance, constants.COMPONENT_NETWORK_POLICY)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": metadata(names.network_policy(instance), namespace, labels, owner),
-        "spec": {"podSelector": own_pods, "policyTypes": ["Ingress"], "ingress": ingress},
+        "metadata": metadata(name, namespace, labels, owner),
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
 
