@@ -36,7 +36,9 @@ def _queries(node: Any) -> Iterator[str]:
 
 def _ours() -> set[str]:
     """Every series name the operator's registry exposes (with a resource, so none is empty)."""
-    m = OperatorMetrics(lambda: [(("ns", "demo"), {"phase": "Serving", "launchAttempts": 1})])
+    lora = {"adapters": [{"name": "sql", "replicas": [0]}]}
+    m = OperatorMetrics(lambda: [(("ns", "demo"), {"phase": "Serving", "launchAttempts": 1,
+                                                   "lora": lora})])
     m.reconciled("success", 0.01)
     m.time_to_serving.observe(60)
     text = generate_latest(m.registry).decode()

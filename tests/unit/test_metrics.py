@@ -34,9 +34,15 @@ def exported_names(m: OperatorMetrics) -> set[str]:
 
 
 def test_every_documented_metric_is_exported_and_nothing_else() -> None:
-    m = OperatorMetrics(lambda: [(("a", "x"), {"phase": c.PHASE_SERVING, "launchAttempts": 3}),
+    lora = {"adapters": [{"name": "sql", "replicas": [0, 1]},
+                         {"name": "bad", "replicas": [], "error": "404: no adapter"}]}
+    m = OperatorMetrics(lambda: [(("a", "x"), {"phase": c.PHASE_SERVING, "launchAttempts": 3,
+                                               "lora": lora}),
                                  (("b", "x"), {"phase": c.PHASE_SERVING}), (("b", "y"), {})])
     assert exported_names(m) == set(NAMES)
+    assert value(m, "vllmdp_lora_adapter_replicas", namespace="a", name="x", adapter="sql") == 2
+    assert value(m, "vllmdp_lora_adapter_failed", namespace="a", name="x", adapter="sql") == 0
+    assert value(m, "vllmdp_lora_adapter_failed", namespace="a", name="x", adapter="bad") == 1
     assert value(m, "vllmdp_resources", phase=c.PHASE_SERVING) == 2
     assert value(m, "vllmdp_resources", phase="None") == 1  # not reconciled yet
     assert value(m, "vllmdp_resource_phase", namespace="a", name="x", phase="Serving") == 1

@@ -69,6 +69,10 @@ NAMES = {
     "vllmdp_engine_requests_waiting": "Requests waiting on a DP rank, at the operator's last read.",
     "vllmdp_engine_kv_cache_usage": "KV-cache use of a DP rank, 0 to 1, at the operator's last "
     "read.",
+    "vllmdp_lora_adapter_replicas": "Routed replicas whose engines serve a LoRA adapter of "
+    "spec.lora (status.lora); labelled with namespace, name and adapter.",
+    "vllmdp_lora_adapter_failed": "1 while a LoRA adapter's last load failed (its error is in "
+    "status.lora and the LoRAReady condition), else 0.",
     "vllmdp_watch_ready": "1 while a child kind is listed and served (not refused with 404 or "
     "403), else 0; labelled with the kind, e.g. rayclusters.ray.io/v1.",
     "vllmdp_watch_failures_total": "Failed LISTs and WATCHes of a child kind, by reason: "
@@ -89,7 +93,7 @@ class ResourceCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Counts by phase (every known phase present, 0 when empty), and per resource its
-        phase, head jobs created and failures since it last served."""
+        phase, head jobs created, failures since it last served, and its LoRA adapters."""
         phases: dict[str, int] = dict.fromkeys(PHASES, 0)
         phase = GaugeMetricFamily("vllmdp_resource_phase", NAMES["vllmdp_resource_phase"],
                                   labels=["namespace", "name", "phase"])  # fmt: skip
@@ -99,17 +103,24 @@ class ResourceCollector(Collector):
         failures = GaugeMetricFamily("vllmdp_resource_consecutive_failures",
                                      NAMES["vllmdp_resource_consecutive_failures"],
                                      labels=["namespace", "name"])  # fmt: skip
+        served, failed = (GaugeMetricFamily(n, NAMES[n], labels=["namespace", "name", "adapter"])
+                          for n in ("vllmdp_lora_adapter_replicas",
+                                    "vllmdp_lora_adapter_failed"))  # fmt: skip
         for (ns, name), status in self._resources():
             now = str(status.get("phase") or PHASE_NONE)
             phases[now] = phases.get(now, 0) + 1
             phase.add_metric([ns, name, now], 1.0)
             launches.add_metric([ns, name], float(status.get("launchAttempts") or 0))
             failures.add_metric([ns, name], float(status.get("consecutiveFailures") or 0))
+            for adapter in (status.get("lora") or {}).get("adapters") or []:
+                labels = [ns, name, str(adapter.get("name"))]
+                served.add_metric(labels, float(len(adapter.get("replicas") or [])))
+                failed.add_metric(labels, 1.0 if adapter.get("error") else 0.0)
         counts = GaugeMetricFamily("vllmdp_resources", NAMES["vllmdp_resources"],
                                    labels=["phase"])  # fmt: skip
         for name, n in sorted(phases.items()):
             counts.add_metric([name], float(n))
-        yield from (counts, phase, launches, failures)
+        yield from (counts, phase, launches, failures, served, failed)
 
 
 class EngineLoadCollector(Collector):
