@@ -52,7 +52,7 @@ crds-check: ## Fail when the checked-in CRDs drift from the models
 	$(BIN)/python hack/gen_crds.py --check
 
 test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, kind, reliability, ray (CI runs this)
-	$(PYTEST) -m "not vllm" tests
+	$(PYTEST) -m "not vllm" --durations=30 tests
 
 test-unit: ## Pure tests only (seconds)
 	$(PYTEST) tests/unit
