@@ -125,7 +125,7 @@ class Bench:
         """The NetworkPolicy and RayCluster the operator would make for a suspended resource
         (which has no Service), rendered by its renderers."""
         model, opts = validate(name, SPEC), RenderOptions()
-        policy = build_network_policy(name, ns, model, opts.peers, None)
+        policy = build_network_policy(name, ns, opts.peers, None)
         return policy, build_raycluster(name, ns, model, build_plan(model), opts, None)
 
     async def pair(self, ns: str, bodies: tuple[dict[str, Any], dict[str, Any]]) -> None:

@@ -231,7 +231,7 @@ def lora_adapters(spec: VLLMDataParallelSpec) -> tuple[Adapter, ...] | None:
             assert spec.model_cache is not None  # a rule (api/validation.py)
             path = f"{spec.model_cache.mount_path.rstrip('/')}/{src.model_cache.strip('/')}"
         else:
-            path = (src.path or src.hugging_face or "").rstrip("/") or "/"
+            path = src.path.rstrip("/") if src.path is not None else str(src.hugging_face)
         out.append(Adapter(a.name, path))
     return tuple(out)
 

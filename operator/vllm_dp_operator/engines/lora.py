@@ -45,7 +45,8 @@ class LoraState:
     wanted: tuple[Adapter, ...]
     #: The adapters vLLM lists after it, by name.
     loaded: frozenset[str] = frozenset()
-    #: Adapters whose last load failed, with vLLM's answer, and the path it was asked for.
+    #: Adapters whose last load failed (none vLLM lists), with vLLM's answer and the path it
+    #: was asked for.
     errors: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     #: Why the adapters could not be read at all ("" when they were).
     detail: str = ""
@@ -59,7 +60,7 @@ class LoraState:
 
     def failed(self) -> dict[str, str]:
         """Each adapter that did not load, and why."""
-        return {name: why for name, (why, _) in self.errors.items() if name not in self.loaded}
+        return {name: why for name, (why, _) in self.errors.items()}
 
 
 def _loaded(answer: Answer) -> dict[str, str] | None:

@@ -94,13 +94,10 @@ def kuberay_peers(peers: PolicyPeers) -> list[dict[str, Any]]:
 
 
 def build_network_policy(
-    instance: str,
-    namespace: str,
-    spec: VLLMDataParallelSpec,
-    peers: PolicyPeers,
-    owner: dict[str, Any] | None,
+    instance: str, namespace: str, peers: PolicyPeers, owner: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """The NetworkPolicy in front of all of one resource's Ray pods (the module docstring)."""
+    """The NetworkPolicy in front of all of one resource's Ray pods (the module docstring):
+    nothing of the spec, whose API port is the head policy's."""
     own_pods = ray_pod_selector(instance)
     dashboard = constants.RAY_DASHBOARD_PORT
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": own_pods}]}]
@@ -140,7 +137,7 @@ def build_network_policies(
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Both policies, the API port's first (see the module docstring)."""
     return [build_api_network_policy(instance, namespace, spec, peers, owner),
-            build_network_policy(instance, namespace, spec, peers, owner)]  # fmt: skip
+            build_network_policy(instance, namespace, peers, owner)]  # fmt: skip
 
 
 def _policy(name: str, instance: str, namespace: str, pods: dict[str, Any],
