@@ -17,7 +17,7 @@ NODES ?=
 
 .PHONY: help host-check host-install helm chart-lint venv lint lock-operator crds crds-check test test-unit test-chart test-controlplane test-reliability test-ray \
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
-        cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes bench-metrics-flood \
+        cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes bench-p5 bench-metrics-flood \
         image engine-image kind-build e2e-kind e2e-kind-down images images-smoke builds \
         build-lane-k8s build-lane-tools build-lane-images netpol-build
 
@@ -52,7 +52,7 @@ crds-check: ## Fail when the checked-in CRDs drift from the models
 	$(BIN)/python hack/gen_crds.py --check
 
 test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, kind, reliability, ray (CI runs this)
-	$(PYTEST) -m "not vllm" --durations=30 tests
+	$(PYTEST) -m "not vllm and not floor" --durations=30 tests
 
 test-unit: ## Pure tests only (seconds)
 	$(PYTEST) tests/unit
@@ -155,6 +155,9 @@ bench-serving: ## P7 of docs/benchmarks.md: 1,000 resources Serving, then hung e
 
 bench-probes: ## P7b of docs/benchmarks.md: the probes alone in cluster-DNS mode at 1,000 resources' full cadence (no bed, ~16 min); last line is one JSON object
 	$(BIN)/python bench/probe_cost.py $(BENCH_ARGS)
+
+bench-p5: ## P5's floors by hand on real vLLM (the cluster tier's vLLM module with its floor tests; real-node bed, ~20 min)
+	$(PYTEST) -m cluster tests/cluster/test_operator_vllm_cpu.py
 
 bench-metrics-flood: ## P8 of docs/benchmarks.md: 50 engines answering a 4 MiB /metrics of made-up ranks vs honest ones (no bed, ~5 min); last line is one JSON object
 	$(BIN)/python bench/metrics_flood.py $(BENCH_ARGS)
