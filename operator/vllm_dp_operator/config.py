@@ -48,6 +48,11 @@ def cluster_domain(raw: str | None) -> str:
 METRICS_AUTHS = ("kubernetes", "none")
 
 
+def _csv(raw: str | None) -> tuple[str, ...]:
+    """A comma-separated list, blanks dropped."""
+    return tuple(part.strip() for part in (raw or "").split(",") if part.strip())
+
+
 def _metrics_auth(raw: str | None) -> str:
     value = (raw or "kubernetes").strip()
     if value not in METRICS_AUTHS:
@@ -283,6 +288,9 @@ class Config:
     #: TokenReview and a SubjectAccessReview for get on /metrics; "none": anyone who reaches
     #: the port may read it.
     metrics_auth: str = "kubernetes"
+    #: VLLMDP_METRICS_AUDIENCES: comma-separated audiences a scraper's token must be issued
+    #: for (TokenReview's spec.audiences); empty: the API server's own.
+    metrics_audiences: tuple[str, ...] = ()
     #: VLLMDP_ENGINE_METRICS_MAX_BYTES: most bytes of vLLM's /metrics read per probe while
     #: Serving (status.load, the vllmdp_engine_* gauges); the rest of a longer answer is not read.
     engine_metrics_max_bytes: int = 4 * 1024 * 1024
@@ -332,6 +340,7 @@ class Config:
             metrics_port=_env_int("VLLMDP_METRICS_PORT", 0),
             metrics_host=os.environ.get("VLLMDP_METRICS_HOST") or "0.0.0.0",
             metrics_auth=_metrics_auth(os.environ.get("VLLMDP_METRICS_AUTH")),
+            metrics_audiences=_csv(os.environ.get("VLLMDP_METRICS_AUDIENCES")),
             engine_metrics_max_bytes=_env_int("VLLMDP_ENGINE_METRICS_MAX_BYTES", 4 * 1024 * 1024),
             election=LeaderElection.from_env(),
             readiness_port=_env_int("VLLMDP_READINESS_PORT", 8082),

@@ -143,7 +143,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if CONFIG.metrics_port:
         # Reviews go straight to the API (not through the write gate): they store nothing,
         # and a standby's /metrics is as protected as the leader's.
-        auth = (MetricsAuth(ApiClientReviews(kube.api))
+        auth = (MetricsAuth(ApiClientReviews(kube.api), audiences=CONFIG.metrics_audiences)
                 if CONFIG.metrics_auth == "kubernetes" else None)  # fmt: skip
         memo.metrics_server = await serve_metrics(
             controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port, auth

@@ -40,7 +40,18 @@ def test_off_by_default_but_the_operator_serves_metrics(helm_bin: str) -> None:
     config = pytest.importorskip("vllm_dp_operator.config")
     assert env["VLLMDP_METRICS_AUTH"] == "kubernetes" == config.Config().metrics_auth
     assert env["VLLMDP_METRICS_HOST"] == "0.0.0.0"
+    assert "VLLMDP_METRICS_AUDIENCES" not in env  # the API server's own audiences
     assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
+
+
+def test_token_audiences_reach_the_operator(helm_bin: str, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:  # fmt: skip
+    objects = chartlib.render(set_values=("metrics.tokenAudiences={vllm-dp-metrics,other}",))
+    env = {e["name"]: e.get("value") for e in _container(objects)["env"]}
+    assert env["VLLMDP_METRICS_AUDIENCES"] == "vllm-dp-metrics,other"
+    config = pytest.importorskip("vllm_dp_operator.config")
+    monkeypatch.setenv("VLLMDP_METRICS_AUDIENCES", env["VLLMDP_METRICS_AUDIENCES"])
+    assert config.Config.from_env().metrics_audiences == ("vllm-dp-metrics", "other")
 
 
 def test_operator_service_monitor_reaches_the_metrics_port(helm_bin: str) -> None:

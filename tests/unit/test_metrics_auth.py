@@ -14,6 +14,8 @@ from vllm_dp_operator.observability.metrics_auth import (
     ACCESS_REVIEWS,
     CACHE_SIZE,
     DENIED_TTL,
+    REVIEW_BURST,
+    REVIEWS_PER_SECOND,
     TOKEN_REVIEWS,
     MetricsAuth,
 )
@@ -23,8 +25,11 @@ from vllm_dp_operator.observability.metrics_http import serve_metrics
 class ReviewsDouble:
     """Answers reviews as an API server would: tokens to users, users to permissions."""
 
-    def __init__(self, users: dict[str, str], allowed: set[str]) -> None:
+    def __init__(self, users: dict[str, str], allowed: set[str],
+                 audiences: dict[str, list[str]] | None = None) -> None:  # fmt: skip
         self.users, self.allowed = users, allowed
+        #: Each token's audiences (unlisted: the API server's own, "api").
+        self.audiences = audiences or {}
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.down = False
 
@@ -33,10 +38,13 @@ class ReviewsDouble:
             raise ConnectionError("API server unreachable")
         self.calls.append((path, body))
         if path == TOKEN_REVIEWS:
-            user = self.users.get(body["spec"]["token"])
-            if user is None:
+            token = body["spec"]["token"]
+            user = self.users.get(token)
+            has = self.audiences.get(token, ["api"])
+            asked = body["spec"].get("audiences") or ["api"]
+            if user is None or not set(has) & set(asked):
                 return {"status": {"authenticated": False, "error": "invalid bearer token"}}
-            return {"status": {"authenticated": True,
+            return {"status": {"authenticated": True, "audiences": sorted(set(has) & set(asked)),
                                "user": {"username": user, "groups": ["g"], "uid": "u1"}}}
         assert path == ACCESS_REVIEWS
         spec = body["spec"]
@@ -91,10 +99,60 @@ async def test_answers_are_reused_for_a_while_then_asked_again() -> None:
 
 
 async def test_the_cache_is_bounded() -> None:
-    auth, _, _ = _auth()
+    auth, _, clock = _auth()
     for i in range(CACHE_SIZE + 50):
+        clock.now += 1 / REVIEWS_PER_SECOND  # within the review budget
         await auth.check(f"Bearer junk-{i}")
     assert len(auth._cache) == CACHE_SIZE
+
+
+async def test_junk_tokens_neither_flood_the_api_server_nor_evict_a_scraper() -> None:
+    """Issue 39: anyone who reaches the port may send tokens. Reviews of unknown tokens are
+    limited (429 past the budget, with no review), and a scraper's allowed answer is kept
+    apart from refusals, so a flood of junk does not make its next scrape a review."""
+    auth, api, clock = _auth()
+    assert (await auth.check("Bearer good")).status == 200
+    asked = len(api.calls)
+    got = [(await auth.check(f"Bearer junk-{i}")).status for i in range(REVIEW_BURST + 30)]
+    assert got[:REVIEW_BURST - 1] == [401] * (REVIEW_BURST - 1) and set(got[REVIEW_BURST:]) == {429}
+    assert len(api.calls) - asked == REVIEW_BURST - 1  # one review each, then none
+    assert (await auth.check("Bearer good")).status == 200  # still cached: no review
+    clock.now += 1.0  # the budget fills again
+    assert (await auth.check("Bearer junk-new")).status == 401
+    for i in range(CACHE_SIZE + 10):  # more refusals than the cache holds, within a minute
+        clock.now += 1 / REVIEWS_PER_SECOND
+        await auth.check(f"Bearer more-{i}")
+    asked = len(api.calls)
+    assert (await auth.check("Bearer good")).status == 200 and len(api.calls) == asked
+
+
+async def test_an_audience_is_asked_for_and_a_token_for_another_refused() -> None:
+    api = ReviewsDouble({"prom": "system:serviceaccount:mon:prometheus",
+                         "default": "system:serviceaccount:mon:prometheus"},
+                        {"system:serviceaccount:mon:prometheus"},
+                        {"prom": ["vllm-dp-operator-metrics"]})  # fmt: skip
+    auth = MetricsAuth(api, clock=Clock(), audiences=("vllm-dp-operator-metrics",))
+    assert (await auth.check("Bearer prom")).status == 200
+    assert api.calls[0][1]["spec"]["audiences"] == ["vllm-dp-operator-metrics"]
+    # The default token (the API server's audience) is not one the metrics asked for.
+    assert (await auth.check("Bearer default")).status == 401
+    # Without the setting, the API server's own audiences, as before.
+    plain = MetricsAuth(api, clock=Clock())
+    assert (await plain.check("Bearer default")).status == 200
+    assert "audiences" not in api.calls[-2][1]["spec"]
+
+
+async def test_an_answer_that_names_none_of_our_audiences_is_not_taken() -> None:
+    class Careless(ReviewsDouble):
+        async def review(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            answer = await super().review(path, body)
+            (answer.get("status") or {}).pop("audiences", None)
+            return answer
+
+    api = Careless({"t": "system:serviceaccount:mon:prometheus"},
+                   {"system:serviceaccount:mon:prometheus"}, {"t": ["m"]})  # fmt: skip
+    auth = MetricsAuth(api, clock=Clock(), audiences=("m",))
+    assert (await auth.check("Bearer t")).status == 401
 
 
 async def _scrape(port: int, token: str | None) -> tuple[int, str]:
