@@ -57,6 +57,7 @@ from .vdp import (
     operator_logs,
     own_namespace,
 )
+from .vdp import report as print_report
 
 pytestmark = pytest.mark.cluster
 
@@ -98,11 +99,7 @@ def report(operator: RunningCluster,
     yield lines
     if revived := revive_bed(operator):
         lines["bed"] = f"started again at the module's end: {', '.join(revived)}"
-    text = "\n".join(f"[availability] {k}: {v}" for k, v in lines.items())
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and text:
-        reporter.write_line("")
-        reporter.write_line(text)
+    print_report(request, "availability", lines)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from .bed import RunningCluster
 from .timeline import READY, READY_BY_ADDRESS, RouteWatch, ready_addresses, route_watch
 from .traffic import Traffic
 from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
+from .vdp import report as print_report
 
 pytestmark = pytest.mark.cluster
 
@@ -152,7 +153,4 @@ def report(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
     """Each scenario's line, printed at the module's end (shown even without -s)."""
     lines: dict[str, str] = {}
     yield lines
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and lines:
-        reporter.write_line("")
-        reporter.write_line("\n".join(f"[availability] {k}: {v}" for k, v in lines.items()))
+    print_report(request, "availability", lines)

@@ -100,6 +100,17 @@ def operator_logs(cluster: RunningCluster, tail: int = 80) -> str:
     return "\n".join(parts) or f"--- operator: no pods (Lease holder {lease or 'none'})"
 
 
+def report(request: pytest.FixtureRequest, prefix: str, lines: dict[str, str]) -> None:
+    """Print each scenario's line past pytest's capture (a module fixture's teardown is
+    captured, and shown only on failure), for docs/benchmarks.md."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    text = "".join(f"[{prefix}] {k}: {v}\n" for k, v in lines.items())
+    if capture is None or not text:
+        return
+    with capture.global_and_fixture_disabled():
+        sys.stderr.write("\n" + text)
+
+
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30,
          headers: dict[str, str] | None = None) -> Any:  # fmt: skip
     """GET (or POST `body` as JSON) from the host; the answer's JSON (or text)."""
