@@ -117,6 +117,8 @@ ANNOTATION_RESTARTED_AT: Final = f"{GROUP}/restartedAt"
 ANNOTATION_ACCEPTED: Final = f"{GROUP}/accepted"
 #: On a RayCluster: the operator-wide inputs it was rendered with (image, release, Ray).
 ANNOTATION_RENDERED_WITH: Final = f"{GROUP}/rendered-with"
+#: On a RayCluster: the API port its engines listen on (spec.service.port when rendered).
+ANNOTATION_API_PORT: Final = f"{GROUP}/api-port"
 # Ray job stop: SIGTERM, then SIGKILL after this many seconds (Ray's job supervisor).
 RAY_JOB_STOP_WAIT_ENV: Final = "RAY_JOB_STOP_WAIT_TIME_S"
 #: Where the launcher also writes its stage lines: the head container's stdout, so its log

@@ -50,6 +50,7 @@ from .vdp import (
     http_status,
     import_engine,
     own_namespace,
+    report,
 )
 
 # isort: split
@@ -120,11 +121,7 @@ def vdp(operator: RunningCluster, request: pytest.FixtureRequest) -> Iterator[Vd
     finally:
         ROUTES[0].stop()
         operator.kubectl("delete", "namespace", NS, "--wait=false", check=False)
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None and FAULTS:  # shown even without -s, for docs/benchmarks.md
-            reporter.write_line("")
-            for scenario, line in FAULTS.items():
-                reporter.write_line(f"[availability, real vLLM] {scenario}: {line}")
+        report(request, "availability, real vLLM", FAULTS)
         if LAUNCHES:
             note("launch timeline (issue 22, p5):\n" + timeline.HEADER + "\n"
                  + "\n".join(la.row() for la in LAUNCHES))  # fmt: skip
@@ -765,46 +762,83 @@ def test_head_pod_deleted_unroutes_and_serves_again_with_its_adapters(
     assert completion(url, http)["object"] == "text_completion"
 
 
-def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
-    """Issue 17's scenario D: an engine change under `Surge` on real vLLM CPU engines. A
-    second DP=2 generation comes up beside the one that serves (the bed has a third node for
-    its head), the Service moves once it answers, and a client in a pod that kept calling the
-    Service the whole time counts no failure."""
+#: The API port the Surge moves the Service to (issue 38): outside Linux's ephemeral range and
+#: clear of Ray's own ports.
+NEW_PORT = 8100
+
+
+def test_surge_to_a_new_max_model_len_and_port(vdp: Vdp, request: pytest.FixtureRequest
+                                               ) -> None:  # fmt: skip
+    """Issue 17's scenario D and issue 38's port change: an engine change (`--max-model-len`)
+    and a new `spec.service.port` under `Surge` on real vLLM CPU engines. A second DP=2
+    generation comes up beside the one that serves (the bed has a third node for its head),
+    listening on the new port; the slice and the Service move to it together at the switch.
+    A client on the old port (a new connection per request) loses nothing before the switch;
+    a client on the new port, started with the update, loses nothing from its first answer
+    (the switch) on, through the drain and the old cluster's deletion."""
     nodes = len(vdp.cluster.node_names)
     assert nodes >= 3, (f"a Surge of examples/dev-cpu.yaml needs 3 nodes (its head takes a "
                         f"node's 2 CPUs); this bed has {nodes}: `make cluster-up NODES=3`")
     st = vdp.wait_phase("Serving", 600)
     old, job = st["rayCluster"], st["headJob"]
+    old_ip = vdp.pods()["head"]["status"]["podIP"]
     doc = example(vdp.ns, max_model_len=192)
     doc["spec"]["update"] = {"strategy": "Surge", "drainSeconds": 10}
+    doc["spec"]["service"] = {**doc["spec"].get("service", {}), "port": NEW_PORT}
     # The deadline covers the second generation's boot beside the serving one: 5 to 8 min on
     # the bed's 2 shared cores (8 min 11 s once, 35 s short of the example's 600 s). The test
     # is about the client's failures, not the boot time: twice the example's deadline.
     doc["spec"].setdefault("launch", {})["timeoutSeconds"] = 1200
     url = f"http://{vdp.service_ip()}:{API_PORT}"
+    new_url = f"http://{vdp.service_ip()}:{NEW_PORT}"
+    kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
+    watch = timeline.route_watch(kubectl, vdp.ns, f"{vdp.name}-api", timeline.READY_BY_ADDRESS)
+    request.addfinalizer(watch.stop)
     # It asks 10 a second: the client pod asks no CPU (the nodes are the Ray pods'), and
-    # while a second generation boots on 2 cores it sends fewer than it asks.
+    # while a second generation boots on 2 cores it sends fewer than it asks. The new port's
+    # client counts from its first 200, which comes with the switch (started in a thread: its
+    # start waits for that answer).
+    later = Traffic(vdp.cluster, vdp.ns, new_url, "tiny", f"{IMAGE}:dev", name="traffic-port",
+                    rate=10, api_key_secret=("api-key", "key"), start_timeout=1320)  # fmt: skip
+    starting = threading.Thread(target=later.__enter__, daemon=True)
     with Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="traffic-d", rate=10,
                  api_key_secret=("api-key", "key")) as t:  # fmt: skip
         applied = time.time()
         vdp.cluster.apply(doc)
+        starting.start()
         new = vdp.wait_update_started(120)
         assert new != old
         vdp.wait("the switch to the new generation", lambda: vdp.status().get(
             "rayCluster") == new, 1260)  # fmt: skip
-        switched = time.time()
+        switched = vdp.wait("the slice's move off the old head", lambda: next((
+            at for at, line in watch.seen if at >= applied
+            and (ready := timeline.ready_addresses(line)) and old_ip not in ready), None), 30)
+        starting.join(120)
+        assert later.pod_ip, "the new port's client never had its first answer"
         vdp.wait("the old RayCluster gone after its drain", lambda: vdp.live_clusters() == [new],
                  180)  # fmt: skip
         vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
         time.sleep(5)  # the new generation alone, with traffic flowing
-    res = t.result
-    note(f"D Surge to --max-model-len=192 on real vLLM: {t.summary()}; apply to switch "
-         f"{switched - applied:.0f}s; {old} -> {new}")  # fmt: skip
+    later.__exit__(None, None, None)
+    res, after = t.result, later.result
+    FAULTS["D Surge, --max-model-len and the port (old port, new connections)"] = (
+        f"{t.summary()}; apply to switch {switched - applied:.0f}s; {old} -> {new}")
+    FAULTS["D Surge, the new port from its first answer"] = (
+        f"{later.summary()}; first answer {after['first_ok_at'] - switched:.1f}s after the "
+        "slice moved")  # fmt: skip
     why = (f"{t.summary()}\nfirst failures: {json.dumps(res['failures'][:15], indent=1)}\n"
-           f"--- traffic client log\n{t.logs()}\n{vdp.diagnostics()}")  # fmt: skip
-    assert res["failed"] == 0 and res["rate"] >= 5, why
+           f"--- new port: {later.summary()}\n{json.dumps(after['failures'][:15], indent=1)}\n"
+           f"--- slice: {watch.seen}\n--- traffic client log\n{t.logs()}\n{vdp.diagnostics()}")
+    # The old port served until the switch: no run of failures began before it (1 s: the
+    # watch sees the slice's write a moment after it lands, and the Service moves after it).
+    early = [o for o in res["outages"] if o["from"] < switched - 1.0]
+    assert early == [] and res["ok"] > 0 and res["rate"] >= 5, f"{early[:5]}\n{why}"
+    # The new port: open from the switch (kube-proxy's sync), and nothing lost after.
+    assert after["failed"] == 0 and after["ok"] > 0, why
+    assert after["first_ok_at"] <= switched + 15, why
     st = vdp.status()
     assert (st["phase"], st["rayCluster"]) == ("Serving", new) and st["headJob"] != job, st
+    assert f":{NEW_PORT}/" in st["endpoint"], st["endpoint"]
     # The engines want a key, which the operator never holds: the switch waited for the
     # launcher's own completion in the new head pod, with the key (its `answered` line).
     head = vdp.pods()["head"]["metadata"]["name"]
@@ -814,9 +848,12 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     # A new generation: its Ray nodes joined as the first launch's did (a third p5 sample).
     LAUNCHES.append(launch_of(vdp, "Surge: the new generation", applied, joined=True,
                               routed_on_health=False))  # fmt: skip
-    models = http(f"{url}/v1/models", headers=AUTH)
+    models = http(f"{new_url}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 192, models
-    assert completion(url, http)["object"] == "text_completion"
+    assert completion(new_url, http)["object"] == "text_completion"
+    policy = vdp.cluster.kubectl_json("get", "networkpolicy", f"{vdp.name}-api-port", "-n",
+                                      vdp.ns)  # fmt: skip
+    assert {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]} == {NEW_PORT}
 
 
 #: Run in the head pod by the floor's Ray job: say when, then exec the launcher's exact
@@ -869,7 +906,8 @@ def test_p5_floor_of_each_step_by_hand(vdp: Vdp) -> None:
                                "-o", "name").stdout.split()  # fmt: skip
     replicas = int(cluster.kubectl_json("get", deploy, "-n", OPERATOR_NS)["spec"]["replicas"])
     jobs = vdp.dashboard_url("/api/jobs/")
-    health = f"http://{head_ip}:{API_PORT}/health"
+    port = service_port(vdp)
+    health = f"http://{head_ip}:{port}/health"
     by_hand = f"floor-vllm-{int(time.time())}"
     bare = "floor-bare"
     cluster.kubectl("scale", deploy, "-n", OPERATOR_NS, "--replicas=0")
@@ -916,7 +954,7 @@ def test_p5_floor_of_each_step_by_hand(vdp: Vdp) -> None:
         said = re.search(r"floor-exec-at (\d+\.\d+)", logs)
         assert said, logs[-3000:]
         BY_HAND["first healthy"] = (healthy - float(said[1])) * 1000
-        assert completion(f"http://{head_ip}:{API_PORT}", http)["object"] == "text_completion"
+        assert completion(f"http://{head_ip}:{port}", http)["object"] == "text_completion"
         note(f"floors by hand: {BY_HAND}")
     finally:
         try:
@@ -928,6 +966,12 @@ def test_p5_floor_of_each_step_by_hand(vdp: Vdp) -> None:
         finally:
             cluster.kubectl("scale", deploy, "-n", OPERATOR_NS, f"--replicas={replicas}")
     assert set(BY_HAND) == {"pods running", "Ray joined", "first healthy"}
+
+
+def service_port(vdp: Vdp) -> int:
+    """The API Service's port now (a Surge may have moved it)."""
+    svc = vdp.cluster.kubectl_json("get", "service", f"{vdp.name}-api", "-n", vdp.ns)
+    return int(svc["spec"]["ports"][0]["port"])
 
 
 def http_status_or_none(url: str) -> int | None:

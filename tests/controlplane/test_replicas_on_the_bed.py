@@ -98,3 +98,25 @@ def test_the_api_server_refuses_negative_replicas_naming_the_field(
     assert "spec.replicas" in proc.stderr and "greater than or equal to 0" in proc.stderr, \
         proc.stderr  # fmt: skip
     assert items(testbed, testbed_namespace, "vdp") == []
+
+
+def test_the_api_server_refuses_a_port_change_across_replicas_naming_the_field(
+    testbed: Any, operator: OperatorProcess, testbed_namespace: str
+) -> None:
+    """Issue 38: one EndpointSlice, one port. The CRD's transition rule (CEL with oldSelf)
+    refuses a spec.service.port change while replicas > 1, and allows it at one replica."""
+    ns = testbed_namespace
+    doc = example("dp4-tp2.yaml")
+    doc["spec"].update(suspend=True, replicas=2)
+    name = apply(testbed, ns, doc)["metadata"]["name"]
+
+    def patch(spec: dict[str, Any]) -> Any:
+        return testbed.kubectl("-n", ns, "patch", "vdp", name, "--type=merge", "-p",
+                               json.dumps({"spec": spec}), check=False)  # fmt: skip
+
+    refused = patch({"service": {"port": 9000}})
+    assert refused.returncode != 0 and "spec.service.port" in refused.stderr, refused.stderr
+    assert "at most 1" in refused.stderr, refused.stderr
+    assert patch({"replicas": 1}).returncode == 0
+    allowed = patch({"service": {"port": 9000}})
+    assert allowed.returncode == 0, allowed.stderr

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from vllm_dp_operator.controller.cache import slim
 from vllm_dp_operator.controller.kube import AlreadyExists, Kind, NamespaceTerminating
 from vllm_dp_operator.reconcile.status import rfc3339
 
@@ -49,6 +50,9 @@ class FakeKube:
         self.clock = clock or (lambda: datetime(2026, 1, 1, tzinfo=UTC))
         #: Namespaces the API server treats as being deleted: creates there are refused.
         self.terminating: set[str] = set()
+        #: Reads answer as the operator's cache does (controller/cache.py `slim`: no pod
+        #: templates, no managedFields), so nothing can read what the cache drops.
+        self.slimmed = False
 
     def named(self, kind: Kind, namespace: str = "default") -> list[dict[str, Any]]:
         """Every stored object of a kind, by name order."""
@@ -63,12 +67,15 @@ class FakeKube:
 
     async def list(self, kind: Kind, namespace: str, selector: str) -> list[dict[str, Any]]:
         self.calls["list"] += 1
-        return [copy.deepcopy(o) for o in self.named(kind, namespace) if _matches(o, selector)]
+        return [self._read(kind, o) for o in self.named(kind, namespace) if _matches(o, selector)]
 
     async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls["get"] += 1
         obj = self.objects.get((kind, namespace, name))
-        return copy.deepcopy(obj) if obj else None
+        return self._read(kind, obj) if obj else None
+
+    def _read(self, kind: Kind, obj: dict[str, Any]) -> dict[str, Any]:
+        return slim(kind, obj) if self.slimmed else copy.deepcopy(obj)
 
     async def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls["create"] += 1

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from vllm_dp_operator.api.crd import build_crd
-from vllm_dp_operator.api.validation import RULES
+from vllm_dp_operator.api.validation import RULES, TRANSITION_RULES
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "vllmdp.io_vllmdataparallels.yaml"
@@ -194,7 +194,7 @@ def test_spec_requires_model_and_data_parallel(schema: dict[str, Any]) -> None:
 def test_every_rule_is_a_cel_validation(schema: dict[str, Any]) -> None:
     rules = schema["properties"]["spec"]["x-kubernetes-validations"]
     assert [(r["rule"], r["message"], r["fieldPath"]) for r in rules] == [
-        (r.cel, r.message, f".{r.field}") for r in RULES
+        (r.cel, r.message, f".{r.field}") for r in (*RULES, *TRANSITION_RULES)
     ]
 
 
@@ -203,7 +203,8 @@ def test_cel_field_paths_resolve(schema: dict[str, Any]) -> None:
     spec = schema["properties"]["spec"]
     for rule in spec["x-kubernetes-validations"]:
         assert _resolve(spec, rule["fieldPath"]) is not None, rule["fieldPath"]
-        assert rule["reason"] == "FieldValueInvalid"
+        transition = "oldSelf" in rule["rule"]
+        assert rule["reason"] == ("FieldValueForbidden" if transition else "FieldValueInvalid")
     for rule in schema["x-kubernetes-validations"]:
         assert _resolve(schema, rule["fieldPath"]) is not None, rule["fieldPath"]
 

@@ -365,3 +365,20 @@ def test_percentages_pass_validation_and_accept_the_api_servers_forms() -> None:
                                    "maxSurge": "50%"})  # fmt: skip
     model = validate("demo", raw)
     assert (model.update.max_unavailable, model.update.max_surge) == ("25%", "50%")
+
+
+async def test_one_port_per_slice_a_replica_on_another_port_waits() -> None:
+    """Replicas share one slice, which has one port: a replica whose generation listens on
+    another port than the one a serving replica's endpoint uses is not routed (it waits),
+    and the slice's port never switches under a serving endpoint."""
+    w = await _two_serving()
+    assert len(_ready_endpoints(w)) == 2
+    # Replica 1's cluster says it listens on 9000 (as after a port change that reached it).
+    for cl in w.clusters():
+        if cl["metadata"]["name"].endswith("-r1"):
+            cl["metadata"]["annotations"][c.ANNOTATION_API_PORT] = "9000"
+    await w.step(5)
+    eps = w.endpoint_slice() or {}
+    assert eps["ports"][0]["port"] == 8000
+    [routed] = _ready_endpoints(w)
+    assert "-r1-" not in routed, routed

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm_dp_launcher import stages
 from vllm_dp_operator import constants as c
-from vllm_dp_operator.controller.kube import SERVICE
+from vllm_dp_operator.controller.kube import NETWORKPOLICY, SERVICE
 from world import World, serving, spec
 
 
@@ -297,3 +297,52 @@ async def test_a_switch_whose_status_write_was_lost_goes_on_from_the_slice() -> 
     assert w.status["update"]["phase"] == "Draining"
     assert w.status["servedJob"] == "demo-j00002" and w.status["rayCluster"] == new
     assert old in cluster_names(w)  # it drains, as after any switch
+
+
+async def test_a_surge_that_changes_the_port_moves_the_service_at_the_switch() -> None:
+    """Issue 38: a Surge that changes spec.service.port. Until the switch the old head is
+    probed, routed and reachable where it listens (its RayCluster's port, read from its
+    annotation: the cache keeps no pod template); at the switch the slice and the Service move
+    to the new port together; the API policy opens both ports while both generations live."""
+    w = await serving(surge())
+    w.kube.slimmed = True  # reads as the operator's cache answers them
+    [old] = cluster_names(w)
+    w.update(surge(engineArgs=["--max-model-len", "4096"], service={"port": 9000}))
+    await w.step()
+    new = w.status["update"]["to"]
+
+    def ports() -> tuple[int, int, list[int]]:
+        eps = w.endpoint_slice() or {}
+        [svc] = w.kube.named(SERVICE)
+        [api] = [p for p in w.kube.named(NETWORKPOLICY)
+                 if p["metadata"]["name"].endswith("-api-port")]  # fmt: skip
+        opened = sorted(p["port"] for rule in api["spec"]["ingress"] for p in rule["ports"])
+        return eps["ports"][0]["port"], svc["spec"]["ports"][0]["port"], opened
+
+    w.cluster_ready()
+    await w.step(5)
+    w.run("demo-j00002")
+    w.probe.completes = False
+    w.probe.calls.clear()
+    await w.step(5)
+    assert routed_to(w) == old and w.status["update"]["phase"] == "Starting"
+    slice_port, service_port, opened = ports()
+    assert (slice_port, service_port) == (8000, 8000)  # the old head, where it listens
+    assert set(opened) == {8000, 9000}
+    assert f"{old}-head-svc:8000" in w.probe.calls and f"{new}-head-svc:9000" in w.probe.calls
+    assert ":8000/" in w.status["endpoint"]
+
+    w.probe.completes = True
+    await w.step(5)
+    assert routed_to(w) == new and w.status["update"]["phase"] == "Draining"
+    assert ports()[:2] == (9000, 9000)  # slice and Service together, in the switch's reconcile
+    assert ":9000/" in w.status["endpoint"]
+    w.probe.metrics = 'vllm:num_requests_running{engine="0"} 0\n'
+    for _ in range(4):
+        await w.step(1)
+        w.ray.jobs["demo-j00001"] = "STOPPED"
+    assert cluster_names(w) == [new]
+    await w.step(1)
+    assert ports()[:2] == (9000, 9000)
+    assert set(ports()[2]) == {9000}  # the old port closes with its generation
+

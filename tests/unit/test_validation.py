@@ -17,6 +17,7 @@ from vllm_dp_operator.api.validation import (
     RULES,
     SpecError,
     check_name,
+    check_transition,
     validate,
 )
 
@@ -674,3 +675,23 @@ def test_an_exact_owned_flag_is_named_alone_not_as_a_longer_flags_abbreviation()
         validate("bad", merge(BASE, args("--data-parallel-size=4")))
     assert [e.message.split(" or ")[0] for e in info.value.errors] == [
         "must not set --data-parallel-size"]
+
+
+@pytest.mark.parametrize(("old", "new", "ok"), [
+    ({"replicas": 1}, {"replicas": 1, "service": {"port": 9000}}, True),
+    ({"replicas": 0}, {"replicas": 1, "service": {"port": 9000}}, True),
+    ({"replicas": 2}, {"replicas": 2, "service": {"port": 9000}}, False),
+    ({"replicas": 2}, {"replicas": 1, "service": {"port": 9000}}, False),
+    ({"replicas": 1}, {"replicas": 3, "service": {"port": 9000}}, False),
+    ({"replicas": 2}, {"replicas": 5}, True),  # scaling alone
+])
+def test_the_port_changes_only_at_one_replica(old: dict[str, Any], new: dict[str, Any],
+                                              ok: bool) -> None:  # fmt: skip
+    """Issue 38: every replica shares one EndpointSlice with one port; the API server checks
+    the same rule (its CEL with oldSelf) on updates."""
+    base = {"model": "m", "dataParallel": {"size": 2, "ranksPerNode": 1}}
+    errors = check_transition(VLLMDataParallelSpec.model_validate({**base, **old}),
+                              VLLMDataParallelSpec.model_validate({**base, **new}))  # fmt: skip
+    assert (errors == []) == ok
+    if not ok:
+        assert errors[0].path == "spec.service.port" and "at most 1" in errors[0].message

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.api.models import VLLMDataParallelSpec, VLLMDataParallelStatus
-from vllm_dp_operator.api.validation import NAME_RULES, RULES
+from vllm_dp_operator.api.validation import NAME_RULES, RULES, TRANSITION_RULES
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "DP", "type": "integer", "jsonPath": ".spec.dataParallel.size"},
@@ -83,7 +83,11 @@ def spec_schema() -> dict[str, Any]:
             "reason": "FieldValueInvalid",
         }
         for r in RULES
-    ]
+    ] + [
+        {"rule": r.cel, "message": r.message, "fieldPath": f".{r.field}",
+         "reason": "FieldValueForbidden"}
+        for r in TRANSITION_RULES
+    ]  # fmt: skip
     return schema
 
 

@@ -566,6 +566,37 @@ RULES: tuple[Rule, ...] = (
 )
 
 @dataclass(frozen=True)
+class TransitionRule:
+    """A rule over a change of the spec: CEL with `oldSelf` (the API server checks it on
+    updates only), and a predicate over (old, new)."""
+
+    field: str
+    cel: str
+    message: str
+    holds: Callable[[VLLMDataParallelSpec, VLLMDataParallelSpec], bool]
+
+
+TRANSITION_RULES: tuple[TransitionRule, ...] = (
+    TransitionRule(
+        field="service.port",
+        cel="self.service.port == oldSelf.service.port || "
+        "(self.replicas <= 1 && oldSelf.replicas <= 1)",
+        message="may change only while spec.replicas is at most 1, before and after: every "
+        "replica's endpoint is in the Service's one EndpointSlice, which has one port, so two "
+        "replicas on two ports cannot both be routed (scale to 1, change the port, scale back)",
+        holds=lambda old, new: (new.service.port == old.service.port
+                                or (new.replicas <= 1 and old.replicas <= 1)),
+    ),
+)
+
+
+def check_transition(old: VLLMDataParallelSpec, new: VLLMDataParallelSpec) -> list[FieldError]:
+    """Every broken rule of a change from `old` to `new`, as the API server checks it."""
+    return [FieldError(f"spec.{r.field}", r.message) for r in TRANSITION_RULES
+            if not r.holds(old, new)]  # fmt: skip
+
+
+@dataclass(frozen=True)
 class NameRule:
     """A rule on metadata.name: a CEL expression (self = the object) and a predicate."""
 

@@ -32,7 +32,7 @@ from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile import leaving, lora_status, member, replicaset, surge
 from vllm_dp_operator.reconcile.member import create_child, label_of, ours
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
-from vllm_dp_operator.reconcile.routing import routed_pod
+from vllm_dp_operator.reconcile.routing import api_port, routed_pod, slice_port
 from vllm_dp_operator.reconcile.status import condition_status, rfc3339
 from vllm_dp_operator.reconcile.update import HOLD_FOR_SLOT
 from vllm_dp_operator.render import build_service
@@ -102,14 +102,28 @@ async def _withdraw_service(kube: Kube, res: Resource) -> None:
             await kube.delete(kind, res.namespace, name)
 
 
+async def _front_port(kube: Kube, res: Resource, spec: VLLMDataParallelSpec) -> int:
+    """The Service's port: the one its slice routes to while an endpoint serves there (the
+    serving generation's, which a Surge that changes spec.service.port moves at its switch),
+    else the spec's. The old port serves until the switch, the new one from it."""
+    current = await kube.get(ENDPOINTSLICE, res.namespace, names.endpoint_slice(res.name))
+    serving = any((e.get("conditions") or {}).get("serving", (e.get("conditions") or {}).get(
+        "ready")) for e in (current or {}).get("endpoints") or [])  # fmt: skip
+    port = slice_port(current) if serving and controller_uid(current or {}) == res.uid else None
+    return port or spec.service.port
+
+
 async def _ensure_network_policy(
-    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, cfg: Config, owner: dict[str, Any]
-) -> None:
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, cfg: Config, owner: dict[str, Any],
+    clusters: list[dict[str, Any]],
+) -> None:  # fmt: skip
     """Create or repair the policies in front of the Ray pods, the API port's first; delete
-    ours when turned off."""
+    ours when turned off. The API port is open on every port a live generation listens on."""
     on = wanted(spec, cfg.render.peers)
-    desired = (build_network_policies(res.name, res.namespace, spec, cfg.render.peers, owner)
-               if on else [])  # fmt: skip
+    ports = tuple(api_port(cl, spec.service.port) for cl in clusters
+                  if not cl["metadata"].get("deletionTimestamp"))  # fmt: skip
+    desired = (build_network_policies(res.name, res.namespace, spec, cfg.render.peers, owner,
+                                      ports) if on else [])  # fmt: skip
     by_name = {d["metadata"]["name"]: d for d in desired}
     for name in (names.api_network_policy(res.name), names.network_policy(res.name)):
         current = await kube.get(NETWORKPOLICY, res.namespace, name)
@@ -160,17 +174,18 @@ async def reconcile(
                      res.uid)  # fmt: skip
     jobs = ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
+    front = await _front_port(kube, res, spec)
     st.doc.update(
         layout=_layout(plan),
-        endpoint=None if spec.suspend else names.endpoint(res.name, ns, spec.service.port),
+        endpoint=None if spec.suspend else names.endpoint(res.name, ns, front),
         selector=names.head_pods_selector(res.name),
     )
     # The policy goes first: the Ray pods are never up without it.
-    await _ensure_network_policy(kube, res, spec, cfg, owner)
+    await _ensure_network_policy(kube, res, spec, cfg, owner, clusters)
     if spec.suspend:
         await _withdraw_service(kube, res)
     else:
-        await _ensure_service(kube, build_service(res.name, ns, spec, owner), res.uid)
+        await _ensure_service(kube, build_service(res.name, ns, spec, owner, front), res.uid)
 
     shape = cluster_hash(res.name, spec, plan, cfg.render, res.restarted_at)
     before = replicaset.previous(res.status)
@@ -206,6 +221,10 @@ async def reconcile(
             st)  # fmt: skip
         if left is not None:
             entries.append(left)
+    if not spec.suspend and (moved := await _front_port(kube, res, spec)) != front:
+        # A replica switched the slice's port (a Surge's switch): the Service follows at once.
+        await _ensure_service(kube, build_service(res.name, ns, spec, owner, moved), res.uid)
+        st.doc["endpoint"] = names.endpoint(res.name, ns, moved)
     _summarize(st, spec, entries)
     if st.doc.get("rollout") and all(replicaset.settled(e) for e in entries
                                      if not e.get("leaving")):  # fmt: skip

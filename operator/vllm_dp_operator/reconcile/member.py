@@ -34,7 +34,7 @@ from vllm_dp_operator.plan import Plan
 from vllm_dp_operator.reconcile import surge
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.queueing import QueueState, queue_state
-from vllm_dp_operator.reconcile.routing import Router, while_not_ready
+from vllm_dp_operator.reconcile.routing import Router, api_port, while_not_ready
 from vllm_dp_operator.reconcile.status import (
     PodAsks,
     cluster_readiness,
@@ -234,11 +234,12 @@ async def reconcile_replica(
         head_pod = head_pod_of(ours(await kube.list(POD, ns,
                                                      names.head_pod_selector(cluster_name)),
                                      cluster_uid))  # fmt: skip
-    router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner, res.replica)
+    router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner, res.replica,
+                    port=api_port(cluster, spec.service.port))  # fmt: skip
     shadow, old_routed = None, True
     if step.mode is Mode.CANDIDATE and step.record is not None:
         # The old generation keeps its route; the new one's flow routes into a shadow.
-        old = await surge.router_of(kube, res, spec, owner, step.record["from"])
+        old = await surge.router_of(kube, res, spec, owner, step.record["from"], clusters)
         old_routed = await surge.keep_serving(old, res, spec, step.record["from"], clusters,
                                               jobs, probes, cfg, st)  # fmt: skip
         shadow = surge.Shadow()

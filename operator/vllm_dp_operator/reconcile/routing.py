@@ -26,6 +26,29 @@ Obj = dict[str, Any]
 MIRRORING_MANAGER = "endpointslicemirroring-controller.k8s.io"
 
 
+def api_port(cluster: Obj | None, default: int) -> int:
+    """The port a generation's engines listen on: its RayCluster's `vllmdp.io/api-port`,
+    written when it was rendered (a later spec may change spec.service.port; the cache keeps
+    no pod template to read it from). `default` for a cluster rendered before the annotation,
+    whose port is the spec's."""
+    raw = (((cluster or {}).get("metadata") or {}).get("annotations") or {}).get(
+        c.ANNOTATION_API_PORT)  # fmt: skip
+    return int(raw) if raw and str(raw).isdigit() else default
+
+
+def slice_port(current: Obj | None) -> int | None:
+    """The API port a slice routes to, None without one."""
+    for port in (current or {}).get("ports") or []:
+        if port.get("name") == c.API_PORT_NAME and port.get("port"):
+            return int(port["port"])
+    return None
+
+
+def _live_endpoint(endpoint: Obj) -> bool:
+    conditions = endpoint.get("conditions") or {}
+    return bool(conditions.get("ready") or conditions.get("serving"))
+
+
 def _slice_ready_for(current: Obj | None, pod_uid: str) -> bool:
     """Whether the slice routes to this pod now: its `serving`, which is `ready` except while
     its replica leaves (then ready is false and serving keeps the routing decision)."""
@@ -113,10 +136,13 @@ class Router:
     def __init__(
         self, kube: Kube, name: str, namespace: str, uid: str, spec: VLLMDataParallelSpec,
         head_pod: Obj | None, owner: Obj, replica: int = 0, leaving: bool = False,
+        port: int | None = None,
     ) -> None:  # fmt: skip
         self.kube, self.name, self.ns, self.uid = kube, name, namespace, uid
         self.spec, self.head_pod, self.owner = spec, head_pod, owner
         self.replica, self.leaving = replica, leaving
+        #: The port this replica's generation listens on (`api_port`); None keeps the slice's.
+        self.port = port
         #: Whether the last write left this replica's endpoint ready (None: nothing written),
         #: and serving (the routing decision; the same as ready unless the replica leaves).
         self.ready: bool | None = None
@@ -127,10 +153,16 @@ class Router:
         slice_name = names.endpoint_slice(self.name)
         current = await self.kube.get(ENDPOINTSLICE, self.ns, slice_name)
         ready = route_ready(routed, self.head_pod, current)
-        self.serving, self.ready = ready, ready and not self.leaving
         others = await _others(self.kube, self.ns, current, self.replica, self.head_pod)
+        now = slice_port(current)
+        port = self.port or now or self.spec.service.port
+        if now is not None and port != now and any(_live_endpoint(e) for e in others):
+            # A slice has one port, and another replica serves on it: this one waits (unready)
+            # until none does, and the port is never switched under a serving endpoint.
+            port, ready = now, False
+        self.serving, self.ready = ready, ready and not self.leaving
         desired = build_endpoint_slice(self.name, self.ns, self.spec, self.head_pod, ready,
-                                       self.owner, others, self.leaving)  # fmt: skip
+                                       self.owner, others, self.leaving, port)  # fmt: skip
         ready = self.ready
         await self._drop_foreign()
         if current is None:

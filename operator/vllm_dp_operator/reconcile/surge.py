@@ -34,7 +34,7 @@ from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.engines.transport import PROBES_OFF
 from vllm_dp_operator.plan import Plan, lora_adapters
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
-from vllm_dp_operator.reconcile.routing import Router, routed_pod, while_not_ready
+from vllm_dp_operator.reconcile.routing import Router, api_port, routed_pod, while_not_ready
 from vllm_dp_operator.reconcile.status import condition_status
 from vllm_dp_operator.reconcile.update import (
     DRAINING,
@@ -138,7 +138,7 @@ def served_target(res: Resource, spec: VLLMDataParallelSpec, cluster: str, clust
     obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
     job = job if job is not None else str(res.status.get("servedJob") or "")
     return Target(res.namespace, res.name, names.head_service(cluster),
-                  _api_port(obj, spec.service.port), job,
+                  api_port(obj, spec.service.port), job,
                   None, spec.api_key_secret_ref is not None, res.replica, draining,
                   ranks=spec.data_parallel.size,
                   head=(head or {}).get("metadata", {}).get("uid") or "",
@@ -372,23 +372,15 @@ async def apply_step(
 
 
 async def router_of(
-    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, owner: Obj, cluster: str
-) -> Router:
-    """A router for one generation's head pod (the one that serves during a Surge)."""
+    kube: Kube, res: Resource, spec: VLLMDataParallelSpec, owner: Obj, cluster: str,
+    clusters: list[Obj],
+) -> Router:  # fmt: skip
+    """A router for one generation's head pod (the one that serves during a Surge), on the
+    port it listens on."""
     pods = await kube.list(POD, res.namespace, names.head_pod_selector(cluster))
+    obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
     return Router(kube, res.name, res.namespace, res.uid, spec, head_pod_of(pods), owner,
-                  res.replica)
-
-
-def _api_port(cluster: Obj | None, default: int) -> int:
-    """The API port of a cluster's head container as rendered (`http`), which a later spec
-    may have changed: the serving generation is probed where it listens."""
-    head = ((cluster or {}).get("spec") or {}).get("headGroupSpec") or {}
-    for container in ((head.get("template") or {}).get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == "http":
-                return int(port["containerPort"])
-    return default
+                  res.replica, port=api_port(obj, spec.service.port))  # fmt: skip
 
 
 async def hold(
@@ -401,7 +393,7 @@ async def hold(
     A hold lasts until the next spec change, so the old head stays probed: a hung engine
     loses its route by the usual threshold (failures in a row over a minimum time)."""
     served = res.status.get("servedJob")
-    router = await router_of(kube, res, spec, owner, cluster)
+    router = await router_of(kube, res, spec, owner, cluster, clusters)
     routed = await router.route(served_route(res, spec, cluster, clusters, jobs, probes, cfg,
                                              st, router.head_pod))  # fmt: skip
     record = st.doc.get("update")

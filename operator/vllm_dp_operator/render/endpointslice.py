@@ -56,6 +56,7 @@ def build_endpoint_slice(
     owner: dict[str, Any] | None,
     others: list[dict[str, Any]] | tuple[()] = (),
     terminating: bool = False,
+    port: int | None = None,
 ) -> dict[str, Any]:
     """The slice of `<instance>-api`: one replica's head pod's IP, `ready` as routed (none
     without an IP), beside `others`, the other replicas' endpoints as they stand.
@@ -63,7 +64,9 @@ def build_endpoint_slice(
     Unrouted keeps the endpoint with ready false (clients see no endpoint, and `kubectl get
     endpointslices` still shows which pod it is). Its port is the Service's port, by name: a
     slice's ports are matched to the Service's by name. Endpoints are ordered by pod name, so
-    a slice's content does not depend on which replica wrote it last.
+    a slice's content does not depend on which replica wrote it last. `port`: the port the
+    routed generation's engines listen on (a Surge that changes spec.service.port switches it
+    with the endpoint); the spec's when not given.
     """
     labels = names.instance_labels(instance, constants.COMPONENT_API)
     labels[constants.LABEL_SERVICE_NAME] = names.service(instance)
@@ -72,13 +75,12 @@ def build_endpoint_slice(
     endpoints = sorted([*others, *([mine] if mine else [])],
                        key=lambda e: (e.get("targetRef") or {}).get("name") or "")  # fmt: skip
     ip = next((e["addresses"][0] for e in endpoints), None)
+    api_port = spec.service.port if port is None else port
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
         "metadata": metadata(names.endpoint_slice(instance), namespace, labels, owner),
         "addressType": _address_type(ip) if ip else "IPv4",
         "endpoints": endpoints,
-        "ports": [
-            {"name": constants.API_PORT_NAME, "protocol": "TCP", "port": spec.service.port}
-        ],
+        "ports": [{"name": constants.API_PORT_NAME, "protocol": "TCP", "port": api_port}],
     }

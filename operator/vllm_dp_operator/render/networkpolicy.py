@@ -114,15 +114,18 @@ def build_api_network_policy(
     spec: VLLMDataParallelSpec,
     peers: PolicyPeers,
     owner: dict[str, Any] | None,
+    api_ports: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """The NetworkPolicy that opens the API port on one resource's head pods only."""
+    """The NetworkPolicy that opens the API port on one resource's head pods only; with
+    `api_ports`, the ports the live generations listen on as well (during a Surge that changes
+    spec.service.port, the old one's until it is gone)."""
     heads = ray_pod_selector(instance)
     heads["matchLabels"][constants.LABEL_RAY_NODE_TYPE] = "head"
-    api_port = spec.service.port
+    ports = sorted({spec.service.port, *api_ports})
     ingress: list[dict[str, Any]] = []
     if operator := operator_peers(peers):
-        ingress.append({"from": operator, "ports": _ports(api_port)})
-    api_rule: dict[str, Any] = {"ports": _ports(api_port)}
+        ingress.append({"from": operator, "ports": _ports(*ports)})
+    api_rule: dict[str, Any] = {"ports": _ports(*ports)}
     if spec.service.allow_from is not None:
         # A rule without `from` admits every source; allowFrom is never empty (the schema).
         api_rule = {"from": [_peer(s) for s in spec.service.allow_from], **api_rule}
@@ -133,10 +136,10 @@ def build_api_network_policy(
 
 def build_network_policies(
     instance: str, namespace: str, spec: VLLMDataParallelSpec, peers: PolicyPeers,
-    owner: dict[str, Any] | None,
+    owner: dict[str, Any] | None, api_ports: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Both policies, the API port's first (see the module docstring)."""
-    return [build_api_network_policy(instance, namespace, spec, peers, owner),
+    return [build_api_network_policy(instance, namespace, spec, peers, owner, api_ports),
             build_network_policy(instance, namespace, peers, owner)]  # fmt: skip
 
 

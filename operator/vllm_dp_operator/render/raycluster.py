@@ -330,7 +330,8 @@ def build_raycluster(
 
 def _annotations(spec: VLLMDataParallelSpec, options: RenderOptions, asked: str
                  ) -> dict[str, str]:  # fmt: skip
-    out = {constants.ANNOTATION_RENDERED_WITH: rendered_with(spec, options)}
+    out = {constants.ANNOTATION_RENDERED_WITH: rendered_with(spec, options),
+           constants.ANNOTATION_API_PORT: str(spec.service.port)}  # fmt: skip
     if asked:
         out[constants.ANNOTATION_ACCEPTED] = asked
     return out

@@ -15,8 +15,11 @@ def build_service(
     namespace: str,
     spec: VLLMDataParallelSpec,
     owner: dict[str, Any] | None,
+    port: int | None = None,
 ) -> dict[str, Any]:
-    """A Service with no selector in front of the head pod's vLLM.
+    """A Service with no selector in front of the head pod's vLLM, on `port`: the port its
+    slice routes to (the serving generation's, which a Surge that changes spec.service.port
+    moves at its switch), the spec's when not given.
 
     Its endpoints are the operator's own EndpointSlice (`endpointslice.py`): the head pod's
     address, ready only while the operator routes to it. Ray's readiness passes long before
@@ -38,8 +41,8 @@ def build_service(
                 {
                     "name": constants.API_PORT_NAME,
                     "protocol": "TCP",
-                    "port": spec.service.port,
-                    "targetPort": spec.service.port,
+                    "port": spec.service.port if port is None else port,
+                    "targetPort": spec.service.port if port is None else port,
                 }
             ],
         },
