@@ -773,9 +773,9 @@ def test_surge_to_a_new_max_model_len_and_port(vdp: Vdp, request: pytest.Fixture
     and a new `spec.service.port` under `Surge` on real vLLM CPU engines. A second DP=2
     generation comes up beside the one that serves (the bed has a third node for its head),
     listening on the new port; the slice and the Service move to it together at the switch.
-    A client on the old port (a new connection per request) loses nothing before the switch;
-    a client on the new port, started with the update, loses nothing from its first answer
-    (the switch) on, through the drain and the old cluster's deletion."""
+    A client on the old port (a new connection per request) loses nothing sent before the
+    switch; a client on the new port, started with the update, loses nothing sent after it,
+    through the drain and the old cluster's deletion."""
     nodes = len(vdp.cluster.node_names)
     assert nodes >= 3, (f"a Surge of examples/dev-cpu.yaml needs 3 nodes (its head takes a "
                         f"node's 2 CPUs); this bed has {nodes}: `make cluster-up NODES=3`")
@@ -833,8 +833,15 @@ def test_surge_to_a_new_max_model_len_and_port(vdp: Vdp, request: pytest.Fixture
     # watch sees the slice's write a moment after it lands, and the Service moves after it).
     early = [o for o in res["outages"] if o["from"] < switched - 1.0]
     assert early == [] and res["ok"] > 0 and res["rate"] >= 5, f"{early[:5]}\n{why}"
-    # The new port: open from the switch (kube-proxy's sync), and nothing lost after.
-    assert after["failed"] == 0 and after["ok"] > 0, why
+    # The new port: open from the switch, and nothing sent after it lost. Requests sent before
+    # it (the port not on the Service yet: unanswered) time out after the first answer, so
+    # the client's count by answer has some; by send time, every run of failures began
+    # before the switch was in kube-proxy's rules (the Service's write follows the slice's in
+    # the same reconcile), and each ended within a request's timeout of it.
+    settled = switched + KUBE_PROXY_SYNC_S + 1.0
+    late = [o for o in after["outages"]
+            if o["from"] >= settled or o["to"] is None or o["to"] > settled + 10]  # fmt: skip
+    assert late == [] and after["ok"] > 0, f"{late[:5]}\n{why}"
     assert after["first_ok_at"] <= switched + 15, why
     st = vdp.status()
     assert (st["phase"], st["rayCluster"]) == ("Serving", new) and st["headJob"] != job, st
