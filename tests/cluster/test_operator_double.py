@@ -11,8 +11,9 @@ engine actor in each, and when an actor dies it exits 0, as vLLM does.
 What proves what: the pods' nodes (real pods on two nodes), the launcher's stage lines in the
 Ray job log and the engine actors' nodes (cross-node Ray), the ClusterIP from the host and a
 pod (Service), phase `Serving` and the stopped old Ray job (the in-cluster operator and its
-probe), the worker pod's deletion (a failure counted, a relaunch after the backoff, `Serving`
-again).
+probe), an engine-only relaunch with `healthProbe.mode: off` (issue 17's G: routed on the
+launcher's own report), the worker pod's deletion (a failure counted, a relaunch after the
+backoff, `Serving` again).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .vdp import (
     Vdp,
     http,
     import_engine,
+    operator_values,
     own_namespace,
 )
 
@@ -112,15 +114,24 @@ def test_service_answers_from_host_and_pod(vdp: Vdp) -> None:
     assert out["object"] == "text_completion"
 
 
-def test_engine_only_change_relaunches_on_same_pods(vdp: Vdp) -> None:
+def test_engine_only_change_relaunches_on_same_pods_with_probes_off(vdp: Vdp) -> None:
+    """Also issue 17's scenario G: with healthProbe.mode off the operator sends no probe, and
+    the relaunch serves on the launcher's own report alone (the launcher is the real one;
+    only vLLM is the double)."""
     st = vdp.wait_phase("Serving", 120)
     old_job = st["headJob"]
     old_sid = vdp.rayjob(old_job)["status"]["jobId"]  # type: ignore[index]
     uids = {role: p["metadata"]["uid"] for role, p in vdp.pods().items()}
-    vdp.cluster.apply(resource(vdp.ns, ["--max-num-seqs=6"]))
-    new = vdp.wait("a new head job", lambda: (s := vdp.status()).get("headJob") != old_job
-                   and s.get("headJob"), 120)  # fmt: skip
-    vdp.wait_phase("Serving", 180, job=new)
+    operator_values("healthProbe.mode=off")
+    try:
+        vdp.cluster.apply(resource(vdp.ns, ["--max-num-seqs=6"]))
+        new = vdp.wait("a new head job", lambda: (s := vdp.status()).get("headJob") != old_job
+                       and s.get("headJob"), 120)  # fmt: skip
+        served = vdp.wait_phase("Serving", 180, job=new)
+    finally:
+        operator_values()  # the bed's own values again, probes on
+    ready = next(c for c in served["conditions"] if c["type"] == "Ready")
+    assert "the launcher reports" in ready["message"], ready
     assert {role: p["metadata"]["uid"] for role, p in vdp.pods().items()} == uids
     jobs = vdp.dashboard_jobs()
     assert jobs[old_sid]["status"] == "STOPPED", jobs[old_sid]

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 import yaml
 
-from . import bed, timeline
+from . import timeline
 from .bed import REPO, RunningCluster
 from .traffic import Traffic
 from .vdp import (
@@ -49,6 +49,7 @@ from .vdp import (
     http,
     http_status,
     import_engine,
+    operator_values,
     own_namespace,
     report,
 )
@@ -566,15 +567,12 @@ def test_prometheus_scrapes_vllm_and_status_load_follows(
         prom.stop()
 
 
-def operator_values(*values: str) -> None:
-    """`helm upgrade` the bed's operator with these values on top of the bed's own."""
-    proc = bed.testbed_cli("operator", *(f"--set={v}" for v in values), timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
+@pytest.mark.floor
 def test_engine_only_change_relaunches_on_same_pods_with_probes_off(vdp: Vdp) -> None:
-    """Also issue 17's scenario G: with healthProbe.mode off the operator sends no probe,
-    and the relaunch serves on the launcher's own report alone."""
+    """Issue 17's scenario G on real vLLM: with healthProbe.mode off the operator sends no
+    probe, and the relaunch serves on the launcher's own report alone. A launch timeline's
+    sample for `make bench-p5`; `make test` runs G on the engine double
+    (test_operator_double.py), which costs no vLLM relaunch."""
     operator_values("healthProbe.mode=off")
     try:
         st = vdp.status()

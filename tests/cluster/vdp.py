@@ -100,6 +100,13 @@ def operator_logs(cluster: RunningCluster, tail: int = 80) -> str:
     return "\n".join(parts) or f"--- operator: no pods (Lease holder {lease or 'none'})"
 
 
+def operator_values(*values: str) -> None:
+    """`helm upgrade` the bed's operator with these values on top of the bed's own (none:
+    the bed's own again)."""
+    proc = testbed_cli("operator", *(f"--set={v}" for v in values), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def report(request: pytest.FixtureRequest, prefix: str, lines: dict[str, str]) -> None:
     """Print each scenario's line past pytest's capture (a module fixture's teardown is
     captured, and shown only on failure), for docs/benchmarks.md."""
