@@ -858,7 +858,9 @@ def test_surge_to_a_new_max_model_len_and_port(vdp: Vdp, request: pytest.Fixture
     assert completion(new_url, http)["object"] == "text_completion"
     policy = vdp.cluster.kubectl_json("get", "networkpolicy", f"{vdp.name}-api-port", "-n",
                                       vdp.ns)  # fmt: skip
-    assert {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]} == {NEW_PORT}
+    # The new port is open; the old one stays until the policy changes for another reason
+    # (nothing listens there, and rewriting the policy blipped new connections here once).
+    assert NEW_PORT in {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]}
 
 
 #: Run in the head pod by the floor's Ray job: say when, then exec the launcher's exact
