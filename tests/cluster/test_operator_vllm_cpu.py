@@ -760,90 +760,46 @@ def test_head_pod_deleted_unroutes_and_serves_again_with_its_adapters(
     assert completion(url, http)["object"] == "text_completion"
 
 
-#: The API port the Surge moves the Service to (issue 38): outside Linux's ephemeral range and
-#: clear of Ray's own ports.
-NEW_PORT = 8100
-
-
-def test_surge_to_a_new_max_model_len_and_port(vdp: Vdp, request: pytest.FixtureRequest
-                                               ) -> None:  # fmt: skip
-    """Issue 17's scenario D and issue 38's port change: an engine change (`--max-model-len`)
-    and a new `spec.service.port` under `Surge` on real vLLM CPU engines. A second DP=2
-    generation comes up beside the one that serves (the bed has a third node for its head),
-    listening on the new port; the slice and the Service move to it together at the switch.
-    A client on the old port (a new connection per request) loses nothing sent before the
-    switch; a client on the new port, started with the update, loses nothing sent after it,
-    through the drain and the old cluster's deletion."""
+def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
+    """Issue 17's scenario D: an engine change under `Surge` on real vLLM CPU engines. A
+    second DP=2 generation comes up beside the one that serves (the bed has a third node for
+    its head), the Service moves once it answers, and a client in a pod that kept calling the
+    Service the whole time counts no failure."""
     nodes = len(vdp.cluster.node_names)
     assert nodes >= 3, (f"a Surge of examples/dev-cpu.yaml needs 3 nodes (its head takes a "
                         f"node's 2 CPUs); this bed has {nodes}: `make cluster-up NODES=3`")
     st = vdp.wait_phase("Serving", 600)
     old, job = st["rayCluster"], st["headJob"]
-    old_ip = vdp.pods()["head"]["status"]["podIP"]
     doc = example(vdp.ns, max_model_len=192)
     doc["spec"]["update"] = {"strategy": "Surge", "drainSeconds": 10}
-    doc["spec"]["service"] = {**doc["spec"].get("service", {}), "port": NEW_PORT}
     # The deadline covers the second generation's boot beside the serving one: 5 to 8 min on
     # the bed's 2 shared cores (8 min 11 s once, 35 s short of the example's 600 s). The test
     # is about the client's failures, not the boot time: twice the example's deadline.
     doc["spec"].setdefault("launch", {})["timeoutSeconds"] = 1200
     url = f"http://{vdp.service_ip()}:{API_PORT}"
-    new_url = f"http://{vdp.service_ip()}:{NEW_PORT}"
-    kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
-    watch = timeline.route_watch(kubectl, vdp.ns, f"{vdp.name}-api", timeline.READY_BY_ADDRESS)
-    request.addfinalizer(watch.stop)
     # It asks 10 a second: the client pod asks no CPU (the nodes are the Ray pods'), and
-    # while a second generation boots on 2 cores it sends fewer than it asks. The new port's
-    # client counts from its first 200, which comes with the switch (started in a thread: its
-    # start waits for that answer).
-    later = Traffic(vdp.cluster, vdp.ns, new_url, "tiny", f"{IMAGE}:dev", name="traffic-port",
-                    rate=10, api_key_secret=("api-key", "key"), start_timeout=1320)  # fmt: skip
-    starting = threading.Thread(target=later.__enter__, daemon=True)
+    # while a second generation boots on 2 cores it sends fewer than it asks.
     with Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="traffic-d", rate=10,
                  api_key_secret=("api-key", "key")) as t:  # fmt: skip
         applied = time.time()
         vdp.cluster.apply(doc)
-        starting.start()
         new = vdp.wait_update_started(120)
         assert new != old
         vdp.wait("the switch to the new generation", lambda: vdp.status().get(
             "rayCluster") == new, 1260)  # fmt: skip
-        switched = vdp.wait("the slice's move off the old head", lambda: next((
-            at for at, line in watch.seen if at >= applied
-            and (ready := timeline.ready_addresses(line)) and old_ip not in ready), None), 30)
-        starting.join(120)
-        assert later.pod_ip, "the new port's client never had its first answer"
+        switched = time.time()
         vdp.wait("the old RayCluster gone after its drain", lambda: vdp.live_clusters() == [new],
                  180)  # fmt: skip
         vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
         time.sleep(5)  # the new generation alone, with traffic flowing
-    later.__exit__(None, None, None)
-    res, after = t.result, later.result
-    FAULTS["D Surge, --max-model-len and the port (old port, new connections)"] = (
-        f"{t.summary()}; apply to switch {switched - applied:.0f}s; {old} -> {new}")
-    FAULTS["D Surge, the new port from its first answer"] = (
-        f"{later.summary()}; first answer {after['first_ok_at'] - switched:.1f}s after the "
-        "slice moved")  # fmt: skip
+    res = t.result
+    FAULTS["D Surge to --max-model-len=192"] = (f"{t.summary()}; apply to switch "
+                                                f"{switched - applied:.0f}s; {old} -> {new}")
     why = (f"{t.summary()}\nfirst failures: {json.dumps(res['failures'][:15], indent=1)}\n"
-           f"--- new port: {later.summary()}\n{json.dumps(after['failures'][:15], indent=1)}\n"
-           f"--- slice: {watch.seen}\n--- traffic client log\n{t.logs()}\n{vdp.diagnostics()}")
-    # The old port served until the switch: no run of failures began before it (1 s: the
-    # watch sees the slice's write a moment after it lands, and the Service moves after it).
-    early = [o for o in res["outages"] if o["from"] < switched - 1.0]
-    assert early == [] and res["ok"] > 0 and res["rate"] >= 5, f"{early[:5]}\n{why}"
-    # The new port: open from the switch, and nothing sent after it lost. Requests sent before
-    # it (the port not on the Service yet: unanswered) time out after the first answer, so
-    # the client's count by answer has some; by send time, every run of failures began
-    # before the switch was in kube-proxy's rules (the Service's write follows the slice's in
-    # the same reconcile), and each ended within a request's timeout of it.
-    settled = switched + KUBE_PROXY_SYNC_S + 1.0
-    late = [o for o in after["outages"]
-            if o["from"] >= settled or o["to"] is None or o["to"] > settled + 10]  # fmt: skip
-    assert late == [] and after["ok"] > 0, f"{late[:5]}\n{why}"
-    assert after["first_ok_at"] <= switched + 15, why
+           f"--- traffic client log\n{t.logs()}\n{vdp.diagnostics()}")  # fmt: skip
+    assert res["failed"] == 0 and res["rate"] >= 5, why
     st = vdp.status()
     assert (st["phase"], st["rayCluster"]) == ("Serving", new) and st["headJob"] != job, st
-    assert f":{NEW_PORT}/" in st["endpoint"], st["endpoint"]
     # The engines want a key, which the operator never holds: the switch waited for the
     # launcher's own completion in the new head pod, with the key (its `answered` line).
     head = vdp.pods()["head"]["metadata"]["name"]
@@ -853,14 +809,9 @@ def test_surge_to_a_new_max_model_len_and_port(vdp: Vdp, request: pytest.Fixture
     # A new generation: its Ray nodes joined as the first launch's did (a third p5 sample).
     LAUNCHES.append(launch_of(vdp, "Surge: the new generation", applied, joined=True,
                               routed_on_health=False))  # fmt: skip
-    models = http(f"{new_url}/v1/models", headers=AUTH)
+    models = http(f"{url}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 192, models
-    assert completion(new_url, http)["object"] == "text_completion"
-    policy = vdp.cluster.kubectl_json("get", "networkpolicy", f"{vdp.name}-api-port", "-n",
-                                      vdp.ns)  # fmt: skip
-    # The new port is open; the old one stays until the policy changes for another reason
-    # (nothing listens there, and rewriting the policy blipped new connections here once).
-    assert NEW_PORT in {p["port"] for r in policy["spec"]["ingress"] for p in r["ports"]}
+    assert completion(url, http)["object"] == "text_completion"
 
 
 #: Run in the head pod by the floor's Ray job: say when, then exec the launcher's exact
