@@ -601,30 +601,44 @@ def test_engine_only_change_relaunches_on_same_pods_with_probes_off(vdp: Vdp) ->
         operator_values()  # the bed's own values again, probes on
 
 
-class AdapterWatch:
-    """Asks the base model, then each adapter, through the Service every half second, from
-    the host, and keeps each round's statuses: whether a relaunch was routed before its
-    adapters were back."""
+class Poller:
+    """Runs `tick` every half second in a thread, from the host, for the `with` block."""
 
-    def __init__(self, url: str, adapters: list[str]) -> None:
-        self.url, self.adapters = url, adapters
-        self.rounds: list[tuple[float, int, dict[str, int]]] = []
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def tick(self) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            base = ask(self.url, "tiny")
-            self.rounds.append((time.time(), base, {a: ask(self.url, a) for a in self.adapters}
-                                if base == 200 else {}))  # fmt: skip
+            self.tick()
 
-    def __enter__(self) -> AdapterWatch:
+    def __enter__(self) -> Poller:
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
-        self._thread.join(60)
+        if self._thread.is_alive():
+            self._thread.join(60)
+
+
+class AdapterWatch(Poller):
+    """Asks the base model, then each adapter, through the Service every half second, from
+    the host, and keeps each round's statuses: whether a relaunch was routed before its
+    adapters were back."""
+
+    def __init__(self, url: str, adapters: list[str]) -> None:
+        super().__init__()
+        self.url, self.adapters = url, adapters
+        self.rounds: list[tuple[float, int, dict[str, int]]] = []
+
+    def tick(self) -> None:
+        base = ask(self.url, "tiny")
+        self.rounds.append((time.time(), base, {a: ask(self.url, a) for a in self.adapters}
+                            if base == 200 else {}))  # fmt: skip
 
     def back_without_adapters(self) -> list[tuple[float, dict[str, int]]]:
         """Rounds after the outage in which the base model answered and an adapter did not."""
@@ -635,35 +649,25 @@ class AdapterWatch:
                 if base == 200 and any(code != 200 for code in got.values())]
 
 
-class HealthWatch:
+class HealthWatch(Poller):
     """Every half second, from the host: the addresses the slice says are ready (its watch's
     last line), each one's own GET /health, then the slice again. A sample holds against the
     slice only where the address was ready both before and after its probe: "at every moment
     the slice says ready, the head pod answers"."""
 
     def __init__(self, watch: timeline.RouteWatch) -> None:
+        super().__init__()
         self.watch = watch
         self.samples: list[tuple[float, dict[str, int]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _ready(self) -> set[str]:
         return timeline.ready_addresses(self.watch.seen[-1][1]) if self.watch.seen else set()
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            before = self._ready()
-            codes = {a: health(a) for a in sorted(before)}
-            after = self._ready()
-            self.samples.append((time.time(), {a: codes[a] for a in before & after}))
-
-    def __enter__(self) -> HealthWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
+    def tick(self) -> None:
+        before = self._ready()
+        codes = {a: health(a) for a in sorted(before)}
+        after = self._ready()
+        self.samples.append((time.time(), {a: codes[a] for a in before & after}))
 
     def unhealthy(self) -> list[tuple[float, str, int]]:
         """The samples in which a ready address did not answer 200."""

@@ -33,7 +33,7 @@ from vllm_dp_operator.plan import Plan, build_plan
 from vllm_dp_operator.reconcile import leaving, lora_status, member, replicaset, surge
 from vllm_dp_operator.reconcile.member import create_child, label_of, ours
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
-from vllm_dp_operator.reconcile.routing import api_port, routed_pod, slice_port
+from vllm_dp_operator.reconcile.routing import api_port, routed_pod, routed_port
 from vllm_dp_operator.reconcile.status import condition_status, rfc3339
 from vllm_dp_operator.reconcile.update import HOLD_FOR_SLOT
 from vllm_dp_operator.render import build_service
@@ -101,17 +101,6 @@ async def _withdraw_service(kube: Kube, res: Resource) -> None:
         if (current is not None and controller_uid(current) == res.uid
                 and not current["metadata"].get("deletionTimestamp")):
             await kube.delete(kind, res.namespace, name)
-
-
-async def _front_port(kube: Kube, res: Resource, spec: VLLMDataParallelSpec) -> int:
-    """The Service's port: the one its slice routes to while an endpoint serves there (the
-    serving generation's, which a Surge that changes spec.service.port moves at its switch),
-    else the spec's. The old port serves until the switch, the new one from it."""
-    current = await kube.get(ENDPOINTSLICE, res.namespace, names.endpoint_slice(res.name))
-    serving = any((e.get("conditions") or {}).get("serving", (e.get("conditions") or {}).get(
-        "ready")) for e in (current or {}).get("endpoints") or [])  # fmt: skip
-    port = slice_port(current) if serving and controller_uid(current or {}) == res.uid else None
-    return port or spec.service.port
 
 
 async def _ensure_network_policy(
@@ -200,7 +189,9 @@ async def reconcile(
                      res.uid)  # fmt: skip
     jobs = ours(await kube.list(RAYJOB, ns, names.instance_selector(res.name, head_job)),
                  res.uid)  # fmt: skip
-    front = await _front_port(kube, res, spec)
+    # The Service's port: the serving generation's, which a Surge that changes
+    # spec.service.port moves at its switch; the old port serves until then.
+    front = await routed_port(kube, ns, res.name, res.uid, spec.service.port)
     st.doc.update(
         layout=_layout(plan),
         endpoint=None if spec.suspend else names.endpoint(res.name, ns, front),
@@ -247,7 +238,8 @@ async def reconcile(
             st)  # fmt: skip
         if left is not None:
             entries.append(left)
-    if not spec.suspend and (moved := await _front_port(kube, res, spec)) != front:
+    if not spec.suspend and (moved := await routed_port(kube, ns, res.name, res.uid,
+                                                       spec.service.port)) != front:
         # A replica switched the slice's port (a Surge's switch): the Service follows at once.
         await _ensure_service(kube, build_service(res.name, ns, spec, owner, moved), res.uid)
         st.doc["endpoint"] = names.endpoint(res.name, ns, moved)

@@ -44,6 +44,16 @@ def slice_port(current: Obj | None) -> int | None:
     return None
 
 
+async def routed_port(kube: Kube, ns: str, name: str, uid: str, default: int) -> int:
+    """The port the resource's slice routes to while one of its endpoints serves (the serving
+    generation's), else `default`: what the Service's port follows."""
+    current = await kube.get(ENDPOINTSLICE, ns, names.endpoint_slice(name))
+    if current is None or controller_uid(current) != uid:
+        return default
+    serving = any(_live_endpoint(e) for e in current.get("endpoints") or [])
+    return (slice_port(current) if serving else None) or default
+
+
 def _live_endpoint(endpoint: Obj) -> bool:
     conditions = endpoint.get("conditions") or {}
     return bool(conditions.get("ready") or conditions.get("serving"))

@@ -28,6 +28,7 @@ def build_service(
     before the cluster is ready, and the head job starts only then.) KubeRay's -serve-svc would
     select worker pods too; only the head serves.
     """
+    api_port = spec.service.port if port is None else port
     labels = names.instance_labels(instance, constants.COMPONENT_API)
     return {
         "apiVersion": "v1",
@@ -41,8 +42,8 @@ def build_service(
                 {
                     "name": constants.API_PORT_NAME,
                     "protocol": "TCP",
-                    "port": spec.service.port if port is None else port,
-                    "targetPort": spec.service.port if port is None else port,
+                    "port": api_port,
+                    "targetPort": api_port,
                 }
             ],
         },
