@@ -148,34 +148,45 @@ class Pool:
         parts = urllib.parse.urlsplit(url)
         self.host, self.port, self.path = parts.hostname or "", parts.port or 80, parts.path
         self.timeout = timeout
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[tuple[http.client.HTTPConnection, int]] = []
         self._lock = threading.Lock()
 
-    def _take(self) -> http.client.HTTPConnection:
+    def _take(self) -> tuple[http.client.HTTPConnection, int]:
+        """A connection and how many answers it carried before (0: new)."""
         with self._lock:
             while self._idle:
-                conn = self._idle.pop()
+                conn, uses = self._idle.pop()
                 sock = conn.sock
                 if sock is not None and not select.select([sock], [], [], 0)[0]:
-                    return conn  # open, and nothing (no EOF) waiting on it
+                    return conn, uses  # open, and nothing (no EOF) waiting on it
                 conn.close()
-        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), 0
 
     def send(self, body: bytes, headers: dict[str, str]) -> tuple[int | None, str]:
-        """POST once on a kept connection: (status, detail); status None for no answer."""
-        conn = self._take()
+        """POST once on a kept connection: (status, detail); status None for no answer. A
+        failure's detail says whether the connection was new or reused (after how many answers,
+        idle how long) and its local port, which names its flow in the node's conntrack."""
+        conn, uses = self._take()
+        local, idle = "", 0.0
         try:
+            if conn.sock is None:
+                conn.connect()
+            local = str(conn.sock.getsockname()[1]) if conn.sock is not None else ""
+            idle = time.monotonic() - getattr(conn, "vdp_idle_since", time.monotonic())
             conn.request("POST", self.path or "/", body=body, headers=headers)
             resp = conn.getresponse()
             text = resp.read().decode(errors="replace")[:300]
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            return None, f"{type(e).__name__} (kept connection): {e}"
+            how = f"reused after {uses} answers, idle {idle:.2f}s" if uses else "new"
+            return None, f"{type(e).__name__} (kept-alive pool, {how} connection, local port " \
+                         f"{local or '?'}): {e}"
         if resp.will_close:
             conn.close()
         else:
+            conn.vdp_idle_since = time.monotonic()  # type: ignore[attr-defined]
             with self._lock:
-                self._idle.append(conn)
+                self._idle.append((conn, uses + 1))
         return resp.status, "" if 200 <= resp.status < 300 else text
 
 
