@@ -179,8 +179,8 @@ class Pool:
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             how = f"reused after {uses} answers, idle {idle:.2f}s" if uses else "new"
-            return None, f"{type(e).__name__} (kept-alive pool, {how} connection, local port " \
-                         f"{local or '?'}): {e}"
+            where = f"kept-alive pool, {how} connection, local port {local or '?'}"
+            return None, f"{type(e).__name__} ({where}): {e}"
         if resp.will_close:
             conn.close()
         else:

@@ -14,10 +14,16 @@ launcher asked for (reachable through the Service):
 A model given as an absolute path that does not exist ends it at once with exit code 1, as
 `vllm serve` ends when it finds no model there: a generation that never serves.
 
-SIGTERM/SIGINT go to the double; the wrapper exits with the double's exit code. Test-only,
+Connections are handled as vLLM's API server (uvicorn) handles them: HTTP/1.1, kept alive until
+idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, a listen backlog of 2048. The first
+SIGTERM/SIGINT stops it as uvicorn stops: no new connection is accepted, idle ones are closed
+at once, a request being answered finishes with `Connection: close`; then the signal goes to
+the double, and the wrapper exits with the double's exit code. Later signals go to the double
+at once. When the double ends by itself (a dead engine), the wrapper ends with it. Test-only,
 standard library only; never published.
 """
 
+import contextlib
 import http.server
 import json
 import os
@@ -30,6 +36,15 @@ import time
 import urllib.request
 
 RECORDER = os.environ.get("VLLMDP_DOUBLE_RECORDER", "/opt/vllm-double/vllm-recorder")
+#: What vLLM's API server does: an idle connection closed after VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+#: seconds (5 unless set; the launcher sets 75), uvicorn's listen backlog of 2048. With
+#: http.server's own (HTTP/1.0, a connection closed after each answer, a backlog of 5), a
+#: kept-alive client was a new-connection client here, and new connections lost SYNs whenever
+#: the process stalled for a quarter of a second on a busy host.
+KEEP_ALIVE_S = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") or 5)
+BACKLOG = 2048
+#: Longest a stop waits for the requests being answered.
+STOP_WAIT_S = 5.0
 
 
 def flag_values(argv, name):
@@ -90,7 +105,75 @@ def inner_healthy():
         return False
 
 
+class Connections:
+    """The open connections, and which are inside a request, so a stop closes the idle ones
+    and lets the busy ones finish (uvicorn's shutdown)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.busy = {}  # handler -> inside a request
+        self.stopping = False
+
+    def mark(self, handler, busy):
+        with self.lock:
+            self.busy[handler] = busy
+
+    def forget(self, handler):
+        with self.lock:
+            self.busy.pop(handler, None)
+
+    def stop(self):
+        """Close every idle connection; later answers carry `Connection: close`."""
+        with self.lock:
+            self.stopping = True
+            idle = [h for h, busy in self.busy.items() if not busy]
+        for h in idle:
+            with contextlib.suppress(OSError):  # already closed by its client
+                h.connection.shutdown(socket.SHUT_RDWR)
+
+    def wait_busy(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not any(self.busy.values()):
+                    return
+            time.sleep(0.02)
+
+
+CONNS = Connections()
+
+
+class Server(http.server.ThreadingHTTPServer):
+    request_queue_size = BACKLOG
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = KEEP_ALIVE_S  # an idle kept connection is closed after this
+
+    def setup(self):
+        super().setup()
+        CONNS.mark(self, False)
+
+    def finish(self):
+        CONNS.forget(self)
+        super().finish()
+
+    def parse_request(self):
+        CONNS.mark(self, True)  # a request line came: busy until its answer is written
+        return super().parse_request()
+
+    def handle_one_request(self):
+        try:
+            super().handle_one_request()
+        finally:
+            CONNS.mark(self, False)
+
+    def end_headers(self):
+        if CONNS.stopping:
+            self.send_header("Connection", "close")
+        super().end_headers()
+
     def _json(self, code, body):
         data = json.dumps(body).encode()
         self.send_response(code)
@@ -159,16 +242,28 @@ def main():
             child.kill()
             sys.exit(child.wait() or 1)
         time.sleep(0.1)
-    server = http.server.ThreadingHTTPServer((HOST, PORT), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = Server((HOST, PORT), Handler)
+    # A short poll, so a stop closes the listening socket within 50 ms, as uvicorn does at once.
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    asked = []  # the first stop signal
 
-    def forward(signum, _frame):
-        child.send_signal(signum)
+    def on_signal(signum, _frame):
+        if asked:
+            child.send_signal(signum)
+        else:
+            asked.append(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while child.poll() is None and not asked:
+        time.sleep(0.05)
+    if asked:
+        server.shutdown()
+        server.server_close()  # no new connection: the listening socket goes
+        CONNS.stop()
+        CONNS.wait_busy(STOP_WAIT_S)
+        child.send_signal(asked[0])
     code = child.wait()
-    server.shutdown()
     sys.exit(code)
 
 
