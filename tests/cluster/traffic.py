@@ -69,8 +69,10 @@ def summary(result: dict[str, Any]) -> str:
     outages = ", ".join(
         f"{o['failed']} failed over {(o['to'] or result['stopped_at']) - o['from']:.1f}s"
         for o in result["outages"]) or "none"  # fmt: skip
-    return (f"{result['failed']}/{result['total']} failed, {result['rate']:.1f} req/s over "
-            f"{result['counting_s']:.0f}s; outages: {outages}")
+    conns = result.get("connections")
+    kept = f" ({conns['reused']} on a kept connection, {conns['opened']} opened)" if conns else ""
+    return (f"{result['failed']}/{result['total']} failed{kept}, {result['rate']:.1f} req/s "
+            f"over {result['counting_s']:.0f}s; outages: {outages}")
 
 
 @dataclass
@@ -132,6 +134,12 @@ class Traffic:
         finally:
             self.cluster.kubectl("delete", "pod,configmap", self.name, "-n", self.ns,
                                  "--wait=false", check=False)  # fmt: skip
+        if et is None and self.keep_alive:
+            # A server that closes every connection (an HTTP/1.0 answer) makes this a
+            # new-connection client: what it counted would say nothing of kept connections.
+            conns = self.result.get("connections") or {}
+            assert conns.get("reused", 0) > conns.get("opened", 0), (
+                f"{self.name}: most requests should go on kept connections: {conns}")
 
     def summary(self) -> str:
         return summary(self.result)

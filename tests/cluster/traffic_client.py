@@ -60,6 +60,7 @@ class Tally:
         # were *sent*. In an open loop answers come back out of order (a timeout lands seconds
         # after later successes), and grouping by answer would split one outage into many.
         self._requests: list[tuple[float, float, bool]] = []
+        self.pool: Pool | None = None  # its connections' counts go in the snapshot
 
     def record(self, sent: float, done: float, status: int | None, detail: str) -> bool:
         """Count one request (status None: no HTTP answer); False once stopped."""
@@ -100,7 +101,8 @@ class Tally:
                     "total": total, "ok": self.ok, "failed": self.failed,
                     "rate": round(total / span, 2) if span > 0 else 0.0,
                     "before_first_ok": self.before_first_ok,
-                    "failures": [*self.failures, *self._latest], "outages": outages}  # fmt: skip
+                    "failures": [*self.failures, *self._latest], "outages": outages,
+                    **({"connections": self.pool.stats()} if self.pool else {})}  # fmt: skip
 
 
 def _outages(requests: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:
@@ -150,6 +152,12 @@ class Pool:
         self.timeout = timeout
         self._idle: list[tuple[http.client.HTTPConnection, int]] = []
         self._lock = threading.Lock()
+        self.opened = 0  # connections made
+        self.reused = 0  # requests sent on a connection that had answered before
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"opened": self.opened, "reused": self.reused}
 
     def _take(self) -> tuple[http.client.HTTPConnection, int]:
         """A connection and how many answers it carried before (0: new)."""
@@ -158,8 +166,10 @@ class Pool:
                 conn, uses = self._idle.pop()
                 sock = conn.sock
                 if sock is not None and not select.select([sock], [], [], 0)[0]:
+                    self.reused += 1
                     return conn, uses  # open, and nothing (no EOF) waiting on it
                 conn.close()
+            self.opened += 1
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), 0
 
     def send(self, body: bytes, headers: dict[str, str]) -> tuple[int | None, str]:
@@ -268,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     body = json.dumps({"model": a.model, "prompt": "hi", "max_tokens": 1}).encode()
     url = a.url.rstrip("/") + "/v1/completions"
     pool = Pool(url, a.timeout) if a.keep_alive else None
+    tally.pool = pool
     threading.Thread(target=pace, args=(tally, url, body, headers, a.rate, a.timeout,
                                         a.in_flight, pool), daemon=True).start()  # fmt: skip
     print(f"sending to {url} at {a.rate}/s, at most {a.in_flight} open"
