@@ -297,7 +297,8 @@ def test_c_surge_switches_with_no_failed_request(vdp: Vdp, report: dict[str, str
         report["bed before C"] = f"started again: {', '.join(revived)}"
     st = vdp.wait_phase("Serving", 300)
     old, job = st["rayCluster"], st["headJob"]
-    old_ip = vdp.pods()["head"]["status"]["podIP"]
+    old_head = vdp.pods()["head"]
+    old_ip, old_pod = old_head["status"]["podIP"], old_head["metadata"]["name"]
     watch = slice_watch(vdp, READY_BY_ADDRESS)
     try:
         with traffic(vdp, "c") as t, traffic(vdp, "c", keep_alive=True) as kept:
@@ -319,8 +320,12 @@ def test_c_surge_switches_with_no_failed_request(vdp: Vdp, report: dict[str, str
     report["C Surge engine change"] = (f"{t.summary()}; kept-alive: {kept.summary()}; apply "
                                        f"to switch {switched_at - applied:.1f}s; {old} -> {new}")
     assert_no_failures(t, vdp, "C")
-    # The old generation drained by its requests and stopped through Ray before it went.
+    # The old generation drained by its requests and stopped through Ray before it went: the
+    # kept connections were on its head, then on the new one.
     assert_no_failures(kept, vdp, "C, kept-alive connections")
+    new_pod = vdp.pods()["head"]["metadata"]["name"]
+    assert kept.result["served_by"].get(old_pod) and kept.result["served_by"].get(new_pod), \
+        (old_pod, new_pod, kept.result["served_by"])  # fmt: skip
     after = [(at, s) for at, s in watch.seen if at >= applied]
     assert all(ready_addresses(s) for _, s in after), f"the slice had no ready endpoint: {after}"
     before = [s for at, s in after if at < switched_at]
@@ -350,7 +355,7 @@ def test_e_surge_that_never_serves_leaves_the_old_serving(
             # A model path with nothing there: `vllm serve` exits at once, every launch.
             vdp.cluster.apply(resource(vdp.ns, engineArgs=spec.get("engineArgs") or [],
                                        model="/models/does-not-exist",
-                                       launch={"timeoutSeconds": 90, "drainSeconds": 3}))
+                                       launch={"timeoutSeconds": 60, "drainSeconds": 3}))
             new = vdp.wait_update_started()
             failed = vdp.wait("a Warning UpdateFailed", lambda: [
                 e for e in events(vdp, "UpdateFailed") if e.get("type") == "Warning"], 240)

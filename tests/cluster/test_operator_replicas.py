@@ -132,6 +132,7 @@ def test_a_lost_head_pod_costs_only_its_replica(vdp: Vdp, report: dict[str, str]
 
 def test_scale_to_one_under_load_fails_no_request(vdp: Vdp, report: dict[str, str]) -> None:
     vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
+    leaving = heads(vdp)["1"]["metadata"]["name"]  # the highest index leaves
     watch = slice_watch(vdp)
     new, kept = clients(vdp, "down")
     try:
@@ -146,6 +147,9 @@ def test_scale_to_one_under_load_fails_no_request(vdp: Vdp, report: dict[str, st
     assert not unready_seen(watch), watch.seen
     for t in (new, kept):
         assert t.result["failed"] == 0, f"{t.summary()}\n{t.logs()}\n{vdp.diagnostics()}"
+    # The kept connections were on both replicas, the leaving one's among them: its drain and
+    # stop were what they went through.
+    assert kept.result["served_by"].get(leaving), (leaving, kept.result["served_by"])
 
 
 @pytest.fixture(scope="module")

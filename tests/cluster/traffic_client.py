@@ -61,8 +61,10 @@ class Tally:
         # after later successes), and grouping by answer would split one outage into many.
         self._requests: list[tuple[float, float, bool]] = []
         self.pool: Pool | None = None  # its connections' counts go in the snapshot
+        self.served_by: collections.Counter[str] = collections.Counter()  # answers per pod
 
-    def record(self, sent: float, done: float, status: int | None, detail: str) -> bool:
+    def record(self, sent: float, done: float, status: int | None, detail: str,
+               served_by: str = "") -> bool:  # fmt: skip
         """Count one request (status None: no HTTP answer); False once stopped."""
         good = status is not None and 200 <= status < 300
         with self.lock:
@@ -76,6 +78,8 @@ class Tally:
             self._requests.append((sent, done, good))
             if good:
                 self.ok += 1
+                if served_by:
+                    self.served_by[served_by] += 1
                 return True
             self.failed += 1
             kept = self.failures if len(self.failures) < KEEP_FAILURES // 2 else self._latest
@@ -102,6 +106,7 @@ class Tally:
                     "rate": round(total / span, 2) if span > 0 else 0.0,
                     "before_first_ok": self.before_first_ok,
                     "failures": [*self.failures, *self._latest], "outages": outages,
+                    "served_by": dict(self.served_by),
                     **({"connections": self.pool.stats()} if self.pool else {})}  # fmt: skip
 
 
@@ -123,18 +128,23 @@ def _outages(requests: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:
     return runs + ([open_] if open_ is not None else [])
 
 
-def send_one(url: str, body: bytes, headers: dict[str, str],
-             timeout: float) -> tuple[int | None, str]:  # fmt: skip
-    """POST once on a new connection: (status, detail); status None for no HTTP answer."""
+#: The engine double's answer header naming the pod that answered (vLLM sends none).
+SERVED_BY = "X-Served-By"
+Answer = tuple[int | None, str, str]  # status (None: no HTTP answer), detail, served by
+
+
+def send_one(url: str, body: bytes, headers: dict[str, str], timeout: float) -> Answer:
+    """POST once on a new connection."""
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
     try:
         conn.request("POST", parts.path or "/", body=body, headers=headers)
         resp = conn.getresponse()
         text = resp.read(300).decode(errors="replace")
-        return resp.status, "" if 200 <= resp.status < 300 else text
+        by = resp.getheader(SERVED_BY) or ""
+        return resp.status, "" if 200 <= resp.status < 300 else text, by
     except (OSError, http.client.HTTPException) as e:
-        return None, f"{type(e).__name__}: {e}"
+        return None, f"{type(e).__name__}: {e}", ""
     finally:
         conn.close()
 
@@ -144,12 +154,20 @@ class Pool:
     taken per request and put back after a complete answer. One the server closed while idle
     is replaced before use, as those clients do, so only a request that was sent and then
     lost counts. kube-proxy keeps an established connection on its endpoint even after the
-    endpoint leaves the slice: this is the client that sees a route that went away."""
+    endpoint leaves the slice: this is the client that sees a route that went away.
 
-    def __init__(self, url: str, timeout: float) -> None:
+    It opens `size` connections before it reuses any, and reuses the one idle longest, so
+    its connections spread over the Service's endpoints (kube-proxy picks one per
+    connection) and each stays in use: with two replicas, all of 12 on one has odds of 1 in
+    2,048. More are opened only while all are busy, and those beyond `size` are closed after
+    their answer."""
+
+    def __init__(self, url: str, timeout: float, size: int) -> None:
         parts = urllib.parse.urlsplit(url)
         self.host, self.port, self.path = parts.hostname or "", parts.port or 80, parts.path
         self.timeout = timeout
+        self.size = size
+        self._open = 0  # connections made and not yet closed
         self._idle: list[tuple[http.client.HTTPConnection, int]] = []
         self._lock = threading.Lock()
         self.opened = 0  # connections made
@@ -162,20 +180,27 @@ class Pool:
     def _take(self) -> tuple[http.client.HTTPConnection, int]:
         """A connection and how many answers it carried before (0: new)."""
         with self._lock:
-            while self._idle:
-                conn, uses = self._idle.pop()
+            while self._open >= self.size and self._idle:
+                conn, uses = self._idle.pop(0)
                 sock = conn.sock
                 if sock is not None and not select.select([sock], [], [], 0)[0]:
                     self.reused += 1
                     return conn, uses  # open, and nothing (no EOF) waiting on it
                 conn.close()
+                self._open -= 1
             self.opened += 1
+            self._open += 1
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), 0
 
-    def send(self, body: bytes, headers: dict[str, str]) -> tuple[int | None, str]:
-        """POST once on a kept connection: (status, detail); status None for no answer. A
-        failure's detail says whether the connection was new or reused (after how many answers,
-        idle how long) and its local port, which names its flow in the node's conntrack."""
+    def _close(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        with self._lock:
+            self._open -= 1
+
+    def send(self, body: bytes, headers: dict[str, str]) -> Answer:
+        """POST once on a kept connection. A failure's detail says whether the connection was
+        new or reused (after how many answers, idle how long) and its local port, which names
+        its flow in the node's conntrack."""
         conn, uses = self._take()
         local, idle = "", 0.0
         try:
@@ -187,17 +212,19 @@ class Pool:
             resp = conn.getresponse()
             text = resp.read().decode(errors="replace")[:300]
         except (OSError, http.client.HTTPException) as e:
-            conn.close()
+            self._close(conn)
             how = f"reused after {uses} answers, idle {idle:.2f}s" if uses else "new"
             where = f"kept-alive pool, {how} connection, local port {local or '?'}"
-            return None, f"{type(e).__name__} ({where}): {e}"
-        if resp.will_close:
-            conn.close()
-        else:
-            conn.vdp_idle_since = time.monotonic()  # type: ignore[attr-defined]
-            with self._lock:
+            return None, f"{type(e).__name__} ({where}): {e}", ""
+        with self._lock:
+            keep = not resp.will_close and len(self._idle) < self.size
+            if keep:
+                conn.vdp_idle_since = time.monotonic()  # type: ignore[attr-defined]
                 self._idle.append((conn, uses + 1))
-        return resp.status, "" if 200 <= resp.status < 300 else text
+        if not keep:
+            self._close(conn)
+        by = resp.getheader(SERVED_BY) or ""
+        return resp.status, "" if 200 <= resp.status < 300 else text, by
 
 
 def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], timeout: float,
@@ -205,10 +232,10 @@ def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], ti
     """Send one request, count it, print it if it failed, and free its slot."""
     try:
         sent = time.time()
-        status, detail = (pool.send(body, headers) if pool is not None
-                          else send_one(url, body, headers, timeout))  # fmt: skip
+        status, detail, by = (pool.send(body, headers) if pool is not None
+                              else send_one(url, body, headers, timeout))  # fmt: skip
         done = time.time()
-        if tally.record(sent, done, status, detail) and (status is None or status >= 300) \
+        if tally.record(sent, done, status, detail, by) and (status is None or status >= 300) \
                 and tally.first_ok_at is not None:
             print(f"failure sent={sent:.3f} done={done:.3f} status={status} {detail[:160]}",
                   flush=True)  # fmt: skip
@@ -269,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8089)
     p.add_argument("--keep-alive", action="store_true",
                    help="reuse connections from a pool instead of one per request")
+    p.add_argument("--connections", type=int, default=12,
+                   help="with --keep-alive: connections the pool opens and keeps")
     a = p.parse_args(argv)
     tally = Tally()
     serve(tally, a.port)
@@ -277,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         headers["Authorization"] = f"Bearer {key}"
     body = json.dumps({"model": a.model, "prompt": "hi", "max_tokens": 1}).encode()
     url = a.url.rstrip("/") + "/v1/completions"
-    pool = Pool(url, a.timeout) if a.keep_alive else None
+    pool = Pool(url, a.timeout, a.connections) if a.keep_alive else None
     tally.pool = pool
     threading.Thread(target=pace, args=(tally, url, body, headers, a.rate, a.timeout,
                                         a.in_flight, pool), daemon=True).start()  # fmt: skip

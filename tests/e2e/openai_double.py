@@ -43,6 +43,9 @@ RECORDER = os.environ.get("VLLMDP_DOUBLE_RECORDER", "/opt/vllm-double/vllm-recor
 #: the process stalled for a quarter of a second on a busy host.
 KEEP_ALIVE_S = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") or 5)
 BACKLOG = 2048
+#: Named in every answer's X-Served-By (the pod's name in a pod), so a test's client can tell
+#: which replica or generation answered it.
+HOSTNAME = socket.gethostname()
 #: Longest a stop waits for the requests being answered.
 STOP_WAIT_S = 5.0
 
@@ -170,6 +173,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             CONNS.mark(self, False)
 
     def end_headers(self):
+        self.send_header("X-Served-By", HOSTNAME)  # what the traffic client counts by
         if CONNS.stopping:
             self.send_header("Connection", "close")
         super().end_headers()
