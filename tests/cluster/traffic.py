@@ -138,8 +138,8 @@ class Traffic:
             # A server that closes every connection (an HTTP/1.0 answer) makes this a
             # new-connection client: what it counted would say nothing of kept connections.
             conns = self.result.get("connections") or {}
-            assert conns.get("reused", 0) > conns.get("opened", 0), (
-                f"{self.name}: most requests should go on kept connections: {conns}")
+            assert conns.get("reused", 0) > 0, (
+                f"{self.name}: no request went on a kept connection: {conns}")
 
     def summary(self) -> str:
         return summary(self.result)
