@@ -58,6 +58,7 @@ RAY_TOKEN_SECRET_KEY: Final = "auth_token"
 RAY_AUTH_HEADER: Final = "x-ray-authorization"
 NETWORK_POLICY_SUFFIX: Final = "-ray"  # the NetworkPolicy in front of the Ray pods
 API_POLICY_SUFFIX: Final = "-api-port"  # the one that opens the API port, on head pods only
+EGRESS_POLICY_SUFFIX: Final = "-egress"  # the opt-in one that limits the Ray pods' egress
 MAX_NAME_LENGTH: Final = min(
     KUBERAY_MAX_RAYJOB_NAME - ATTEMPT_SUFFIX,
     KUBERAY_MAX_RAYCLUSTER_NAME - CLUSTER_HASH_SUFFIX,

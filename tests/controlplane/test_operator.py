@@ -205,6 +205,17 @@ INVALID = [
     ("service.allowFrom", {"service": {"allowFrom": [{"ipBlock": {"cidr": "0.0.0.0/0"}}]}}),
     ("networkPolicy.enabled", {"networkPolicy": {"enabled": "no"}}),
     ("ray.auth", {"ray": {"auth": "disabled"}, "networkPolicy": {"enabled": False}}),
+    # The opt-in egress policy: it needs the policies on, and each destination is one thing.
+    ("networkPolicy.egress.enabled", {"networkPolicy": {"enabled": False,
+                                                        "egress": {"enabled": True}}}),
+    ("networkPolicy.egress.allowTo", {"networkPolicy": {"egress": {"allowTo": [{}]}}}),
+    ("networkPolicy.egress.allowTo", {"networkPolicy": {"egress": {"allowTo": [
+        {"cidr": "10.0.0.0/8", "podSelector": {}}]}}}),
+    ("networkPolicy.egress.allowTo", {"networkPolicy": {"egress": {"allowTo": [
+        {"podSelector": {"matchExpressions": [{"key": "a", "operator": "Exists",
+                                              "values": ["b"]}]}}]}}}),
+    ("networkPolicy.egress.allowTo[0].cidr", {"networkPolicy": {"egress": {"allowTo": [
+        {"cidr": "10.0.0.256/8"}]}}}),
     ("update.servingCheck", {"update": {"servingCheck": "Ping"}}),
     ("update.maxSurge", {"update": {"maxSurge": "lots"}}),
     ("update.maxUnavailable", {"update": {"strategy": "RollingUpdate",
@@ -235,6 +246,18 @@ def test_api_server_accepts_percentages_and_serving_checks(
 ) -> None:
     spec = {"model": "m", "dataParallel": {"size": 4, "ranksPerNode": 2}, "replicas": 4,
             "update": update}
+    doc = {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+           "metadata": {"name": "good", "namespace": "default"}, "spec": spec}
+    proc = testbed.kubectl("create", "--dry-run=server", "-f", "-",
+                           input=yaml.safe_dump(doc), check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_api_server_accepts_an_egress_policy(testbed: Any, operator: OperatorProcess) -> None:
+    spec = {"model": "m", "dataParallel": {"size": 4, "ranksPerNode": 2},
+            "networkPolicy": {"egress": {"enabled": True, "allowTo": [
+                {"cidr": "10.20.0.0/16", "ports": [443]}, {"cidr": "2001:db8::/64"},
+                {"namespaceSelector": {"matchLabels": {"team": "models"}}}]}}}  # fmt: skip
     doc = {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
            "metadata": {"name": "good", "namespace": "default"}, "spec": spec}
     proc = testbed.kubectl("create", "--dry-run=server", "-f", "-",

@@ -13,7 +13,11 @@ from vllm_dp_operator.config import Config, PolicyPeers, RenderOptions, parse_la
 from vllm_dp_operator.controller.kube import NETWORKPOLICY
 from vllm_dp_operator.render.manifests import parse_resource, render_resource
 from vllm_dp_operator.render.meta import owner_reference
-from vllm_dp_operator.render.networkpolicy import build_api_network_policy, build_network_policy
+from vllm_dp_operator.render.networkpolicy import (
+    build_api_network_policy,
+    build_egress_network_policy,
+    build_network_policy,
+)
 from world import World, spec
 
 OWNER = owner_reference("demo", "uid-demo")
@@ -229,4 +233,71 @@ async def test_turning_it_off_deletes_ours_and_leaves_a_namesakes_alone() -> Non
     w.kube.objects[(NETWORKPOLICY, "default", "demo-ray")] = foreign
     await w.step()
     assert w.kube.objects[(NETWORKPOLICY, "default", "demo-ray")] == foreign
+    assert sorted(np["metadata"]["name"] for np in _policies(w)) == ["demo-api-port", "demo-ray"]
+
+
+# ---------------------------------------------------------------- egress (opt-in)
+
+EGRESS_ON = {"egress": {"enabled": True, "allowTo": [
+    {"cidr": "10.20.0.0/16", "ports": [443, 9000]},
+    {"namespaceSelector": {"matchLabels": {"team": "models"}},
+     "podSelector": {"matchLabels": {"app": "cache"}}}]}}  # fmt: skip
+
+
+def test_egress_is_open_unless_asked() -> None:
+    doc = {"apiVersion": f"{c.GROUP}/{c.VERSION}", "kind": c.KIND,
+           "metadata": {"name": "demo", "namespace": "ns"}, "spec": spec()}  # fmt: skip
+    out = render_resource(parse_resource(doc), RenderOptions())
+    assert [d["metadata"]["name"] for d in out if d["kind"] == "NetworkPolicy"] == [
+        "demo-api-port", "demo-ray"]
+    assert all(d["spec"]["policyTypes"] == ["Ingress"] for d in out if d["kind"] == "NetworkPolicy")
+
+
+def test_egress_policy_allows_own_pods_dns_and_the_listed_destinations_only() -> None:
+    np = build_egress_network_policy("demo", "ns", validate("demo", spec(networkPolicy=EGRESS_ON)),
+                                     OWNER)  # fmt: skip
+    assert np["metadata"]["name"] == "demo-egress" and np["metadata"]["ownerReferences"] == [OWNER]
+    assert np["spec"]["podSelector"] == OWN_PODS and np["spec"]["policyTypes"] == ["Egress"]
+    own, dns, block, pods = np["spec"]["egress"]
+    assert own == {"to": [{"podSelector": OWN_PODS}]}  # every port: Ray's own traffic
+    assert dns == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    assert block == {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+                     "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 9000}]}
+    assert pods == {"to": [{"namespaceSelector": {"matchLabels": {"team": "models"}},
+                            "podSelector": {"matchLabels": {"app": "cache"}}}]}  # any port
+    # Nothing else: no rule without `to` but DNS's, so the metadata address and the API server
+    # are out of reach unless listed.
+    assert [r for r in np["spec"]["egress"] if "to" not in r] == [dns]
+
+
+@pytest.mark.parametrize(("np", "path"), [
+    ({"enabled": False, "egress": {"enabled": True}}, "spec.networkPolicy.egress.enabled"),
+    ({"egress": {"enabled": True, "allowTo": [{}]}}, "spec.networkPolicy.egress.allowTo"),
+    ({"egress": {"enabled": True, "allowTo": [{"cidr": "10.0.0.0/8", "podSelector": {}}]}},
+     "spec.networkPolicy.egress.allowTo"),
+    ({"egress": {"allowTo": [{"cidr": "10.0.0.300/8"}]}},
+     "spec.networkPolicy.egress.allowTo[0].cidr"),
+    ({"egress": {"allowTo": [{"cidr": "2001:db8::1::2/64"}]}},
+     "spec.networkPolicy.egress.allowTo[0].cidr"),
+    ({"egress": {"allowTo": [{"cidr": "10.0.0.0/8", "ports": [0]}]}},
+     "spec.networkPolicy.egress.allowTo[0].ports[0]"),
+    ({"egress": {"allowTo": [{"podSelector": {"matchExpressions": [
+        {"key": "a", "operator": "Exists", "values": ["x"]}]}}]}},
+     "spec.networkPolicy.egress.allowTo"),
+])  # fmt: skip
+def test_a_bad_egress_spec_is_refused_naming_the_field(np: dict[str, Any], path: str) -> None:
+    with pytest.raises(SpecError) as info:
+        validate("demo", spec(networkPolicy=np))
+    assert path in [e.path for e in info.value.errors], info.value.errors
+
+
+async def test_egress_policy_comes_and_goes_with_the_spec() -> None:
+    w = World()
+    await w.step()
+    w.update(spec(networkPolicy=EGRESS_ON))
+    await w.step()
+    assert sorted(np["metadata"]["name"] for np in _policies(w)) == [
+        "demo-api-port", "demo-egress", "demo-ray"]
+    w.update(spec())
+    await w.step()
     assert sorted(np["metadata"]["name"] for np in _policies(w)) == ["demo-api-port", "demo-ray"]

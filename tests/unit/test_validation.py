@@ -87,6 +87,12 @@ VALID: list[Any] = [
         {"podSelector": {"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}},
     ]}}, id="allow-from"),
     pytest.param({"networkPolicy": {"enabled": False}}, id="network-policy-off"),
+    pytest.param({"networkPolicy": {"egress": {"enabled": True, "allowTo": [
+        {"cidr": "10.20.0.0/16", "ports": [443]}, {"cidr": "2001:db8::/64"},
+        {"namespaceSelector": {"matchLabels": {"team": "models"}},
+         "podSelector": {"matchExpressions": [{"key": "app", "operator": "In",
+                                               "values": ["cache"]}]}}]}}},
+                 id="egress"),
     pytest.param(dp(5, 2, "fill"), id="fill-partial-last-pod"),
     pytest.param(merge(dp(6, 2, "fill"), {"gpu": {"perPod": 4}}), id="fill-bigger-workers"),
     pytest.param(dp(2, 2), id="single-pod"),
@@ -475,6 +481,26 @@ INVALID: list[Any] = [
     pytest.param(
         {"service": {"allowFrom": [{}]}}, "spec.service.allowFrom",
         "needs a namespaceSelector or a podSelector", id="allow-from-empty-entry",
+    ),
+    pytest.param(
+        {"networkPolicy": {"enabled": False, "egress": {"enabled": True}}},
+        "spec.networkPolicy.egress.enabled", "needs networkPolicy.enabled",
+        id="egress-without-policies",
+    ),
+    pytest.param(
+        {"networkPolicy": {"egress": {"allowTo": [{"cidr": "10.0.0.0/8", "podSelector": {}}]}}},
+        "spec.networkPolicy.egress.allowTo", "names a cidr, or", id="egress-cidr-and-pods",
+    ),
+    pytest.param(
+        {"networkPolicy": {"egress": {"allowTo": [{"podSelector": {"matchExpressions": [
+            {"key": "a", "operator": "NotIn"}]}}]}}},
+        "spec.networkPolicy.egress.allowTo", "takes values with In and NotIn",
+        id="egress-not-in-no-values",
+    ),
+    pytest.param(
+        {"networkPolicy": {"egress": {"allowTo": [{"cidr": "10.0.0.256/8"}]}}},
+        "spec.networkPolicy.egress.allowTo[0].cidr", "should match pattern",
+        id="egress-bad-cidr",
     ),
     pytest.param(
         {"service": {"allowFrom": [{"podSelector": {"matchExpressions": [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -67,6 +68,8 @@ def resolve_count(value: int | str, total: int, round_up: bool) -> int:
     return -(-share // 100) if round_up else share // 100
 #: 1 to 64 as an optional field needs it: constraints inside, so the schema has min/max.
 JsonCount = Annotated[int, Field(ge=1, le=64), BeforeValidator(_json_integer)]
+#: A TCP port number, as a JSON integer.
+JsonPort = Annotated[int, Field(ge=1, le=65535), BeforeValidator(_json_integer)]
 #: A boolean field as the API server reads one: true or false, never "false" or 0.
 JsonBool = Annotated[bool, Strict()]
 
@@ -367,6 +370,64 @@ class TrafficSource(ApiModel):
     )
 
 
+#: An IPv4 address block, each octet and the prefix in range, or an IPv6 one in outline (the
+#: operator's own check parses it exactly before anything is made).
+CIDR_PATTERN = (
+    r"^(((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"
+    r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])/(3[0-2]|[12]?[0-9])"
+    r"|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*/(12[0-8]|1[01][0-9]|[1-9]?[0-9]))$"
+)
+
+
+class EgressDestination(ApiModel):
+    """Where the Ray pods may connect when egress is limited: an address block, or pods by
+    their namespace's and their own labels (as a NetworkPolicy peer); on `ports`, or any."""
+
+    cidr: str | None = Field(
+        default=None, max_length=43, pattern=CIDR_PATTERN,
+        description="An address block (`10.20.0.0/16`, `2001:db8::/64`): a model store, a "
+        "proxy, an object store's endpoints.",
+    )  # fmt: skip
+    namespace_selector: LabelSelector | None = Field(
+        default=None, description="Namespaces, by their labels ({} for every namespace)."
+    )
+    pod_selector: LabelSelector | None = Field(
+        default=None, description="Pods, by their labels ({} for every pod)."
+    )
+    ports: list[JsonPort] | None = Field(
+        default=None, min_length=1, max_length=16,
+        description="TCP ports; unset, every port.",
+    )  # fmt: skip
+
+    @field_validator("cidr")
+    @classmethod
+    def _cidr(cls, cidr: str | None) -> str | None:
+        # The schema's pattern is the API server's outline check; the exact one is Python's.
+        if cidr is not None:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError as e:
+                raise PydanticCustomError("cidr", "not an address block: {why}",
+                                          {"why": str(e)}) from None  # fmt: skip
+        return cidr
+
+
+class EgressSpec(ApiModel):
+    """Whether the Ray pods' outgoing connections are limited, and to what."""
+
+    enabled: JsonBool = Field(
+        default=False,
+        description="Render a third NetworkPolicy (<name>-egress) that lets the Ray pods "
+        "connect only to the resource's own Ray pods, to DNS (port 53) and to allowTo. Off by "
+        "default: the engines download models from wherever the spec points them. On, the "
+        "cloud's metadata address and the API server are out of their reach unless listed.",
+    )
+    allow_to: list[EgressDestination] = Field(
+        default_factory=list, max_length=32,
+        description="Destinations the Ray pods may reach besides their own pods and DNS.",
+    )  # fmt: skip
+
+
 class NetworkPolicySpec(ApiModel):
     """The NetworkPolicy the operator renders in front of the Ray pods."""
 
@@ -375,6 +436,10 @@ class NetworkPolicySpec(ApiModel):
         description="Render a NetworkPolicy that admits Ray's ports only from the cluster's "
         "own pods (and the operator's and KubeRay's on the dashboard port), and the API port "
         "from service.allowFrom. Turn off where the namespace's own policies govern the pods.",
+    )
+    egress: EgressSpec = Field(
+        default_factory=EgressSpec,
+        description="An egress policy for the Ray pods (opt-in).",
     )
 
 

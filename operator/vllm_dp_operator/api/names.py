@@ -111,6 +111,11 @@ def api_network_policy(instance: str) -> str:
     return f"{instance}{constants.API_POLICY_SUFFIX}"
 
 
+def egress_network_policy(instance: str) -> str:
+    """The NetworkPolicy that limits where the resource's Ray pods connect (opt-in)."""
+    return f"{instance}{constants.EGRESS_POLICY_SUFFIX}"
+
+
 def endpoint(instance: str, namespace: str, port: int) -> str:
     """In-cluster base URL of the OpenAI-compatible API, as a user types it.
 

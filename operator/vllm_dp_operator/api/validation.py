@@ -423,6 +423,46 @@ _ALLOW_FROM_RULES = (
 )
 
 
+_EGRESS = "has(self.networkPolicy) && has(self.networkPolicy.egress)"
+_ALLOW_TO = f"{_EGRESS} && has(self.networkPolicy.egress.allowTo)"
+
+
+_EGRESS_RULES = (
+    Rule(
+        field="networkPolicy.egress.enabled",
+        cel=f"!({_EGRESS} && has(self.networkPolicy.egress.enabled) && "
+        "self.networkPolicy.egress.enabled) || !has(self.networkPolicy.enabled) || "
+        "self.networkPolicy.enabled",
+        message="needs networkPolicy.enabled: the egress policy is one of the resource's "
+        "NetworkPolicies, and with them off none is made",
+        holds=lambda s: not s.network_policy.egress.enabled or s.network_policy.enabled,
+    ),
+    Rule(
+        field="networkPolicy.egress.allowTo",
+        cel=f"!({_ALLOW_TO}) || self.networkPolicy.egress.allowTo.all(d, "
+        "has(d.cidr) != (has(d.namespaceSelector) || has(d.podSelector)))",
+        message="each entry names a cidr, or a namespaceSelector and/or a podSelector: not "
+        "both, and not neither (which would allow every destination)",
+        holds=lambda s: all((d.cidr is not None)
+                            != (d.namespace_selector is not None or d.pod_selector is not None)
+                            for d in s.network_policy.egress.allow_to),
+    ),
+    Rule(
+        field="networkPolicy.egress.allowTo",
+        cel=f"!({_ALLOW_TO}) || self.networkPolicy.egress.allowTo.all(d, "
+        + " && ".join(f"(!has(d.{f}) || !has(d.{f}.matchExpressions) || "
+                      f"d.{f}.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == "
+                      "(has(e.values) && size(e.values) > 0)))" for f in _SELECTORS) + ")",
+        message="a matchExpressions entry takes values with In and NotIn (at least one), and "
+        "none with Exists and DoesNotExist",
+        holds=lambda s: all((e.operator in _WITH_VALUES) == bool(e.values)
+                            for d in s.network_policy.egress.allow_to
+                            for sel in (d.namespace_selector, d.pod_selector) if sel
+                            for e in sel.match_expressions),
+    ),
+)
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         field="dataParallel.size",
@@ -562,6 +602,7 @@ RULES: tuple[Rule, ...] = (
     ),
     *SCHEDULING_RULES,
     *_ALLOW_FROM_RULES,
+    *_EGRESS_RULES,
     *LORA_RULES,
 )
 

@@ -115,7 +115,8 @@ async def _ensure_network_policy(
     desired = (build_network_policies(res.name, res.namespace, spec, cfg.render.peers, owner,
                                       ports) if on else [])  # fmt: skip
     by_name = {d["metadata"]["name"]: d for d in desired}
-    for name in (names.api_network_policy(res.name), names.network_policy(res.name)):
+    for name in (names.api_network_policy(res.name), names.network_policy(res.name),
+                 names.egress_network_policy(res.name)):  # fmt: skip
         current = await kube.get(NETWORKPOLICY, res.namespace, name)
         if current is not None and not ours([current], res.uid):
             continue  # a deleted namesake's, until the garbage collector takes it

@@ -16,7 +16,12 @@ everywhere, or from `spec.service.allowFrom` when that is set. A worker's port o
 number (a Ray, NCCL or ZMQ listener may take it) stays closed to all but the cluster itself.
 Policies add up, so the API policy is written before the other drops its old API rule.
 
-Egress is left alone: the engines download models and reach whatever the user points them at.
+Egress is left alone unless `spec.networkPolicy.egress.enabled`: the engines download models
+and reach whatever the user points them at. With it, a third policy (`<name>-egress`) selects
+every Ray pod and lets it connect only to the resource's own Ray pods, to port 53 anywhere
+(DNS, wherever the cluster serves it: a kube-dns pod, NodeLocal DNSCache, a node), and to
+`allowTo`. Answers to connections made to the pods (the operator's, KubeRay's, clients') are
+not egress connections and need no rule.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from typing import Any
 
 from vllm_dp_operator import constants
 from vllm_dp_operator.api import names
-from vllm_dp_operator.api.models import LabelSelector, TrafficSource, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import (
+    EgressDestination,
+    LabelSelector,
+    TrafficSource,
+    VLLMDataParallelSpec,
+)
 from vllm_dp_operator.config import Labels, PolicyPeers
 from vllm_dp_operator.render.meta import metadata
 
@@ -134,13 +144,43 @@ def build_api_network_policy(
                    owner)  # fmt: skip
 
 
+def _destination(dest: EgressDestination) -> dict[str, Any]:
+    if dest.cidr is not None:
+        peer: dict[str, Any] = {"ipBlock": {"cidr": dest.cidr}}
+    else:
+        peer = _peer(TrafficSource(namespace_selector=dest.namespace_selector,
+                                   pod_selector=dest.pod_selector))  # fmt: skip
+    rule: dict[str, Any] = {"to": [peer]}
+    if dest.ports:
+        rule["ports"] = _ports(*dest.ports)
+    return rule
+
+
+def build_egress_network_policy(
+    instance: str, namespace: str, spec: VLLMDataParallelSpec, owner: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The opt-in policy that limits the Ray pods' connections (the module docstring)."""
+    own_pods = ray_pod_selector(instance)
+    dns = [{"protocol": proto, "port": 53} for proto in ("UDP", "TCP")]
+    egress: list[dict[str, Any]] = [{"to": [{"podSelector": own_pods}]}, {"ports": dns}]
+    egress += [_destination(d) for d in spec.network_policy.egress.allow_to]
+    policy = _policy(names.egress_network_policy(instance), instance, namespace, own_pods, [],
+                     owner)  # fmt: skip
+    policy["spec"] = {"podSelector": own_pods, "policyTypes": ["Egress"], "egress": egress}
+    return policy
+
+
 def build_network_policies(
     instance: str, namespace: str, spec: VLLMDataParallelSpec, peers: PolicyPeers,
     owner: dict[str, Any] | None, api_ports: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Both policies, the API port's first (see the module docstring)."""
-    return [build_api_network_policy(instance, namespace, spec, peers, owner, api_ports),
-            build_network_policy(instance, namespace, peers, owner)]  # fmt: skip
+    """The policies, the API port's first (see the module docstring); the egress one when the
+    spec asks for it."""
+    out = [build_api_network_policy(instance, namespace, spec, peers, owner, api_ports),
+           build_network_policy(instance, namespace, peers, owner)]  # fmt: skip
+    if spec.network_policy.egress.enabled:
+        out.append(build_egress_network_policy(instance, namespace, spec, owner))
+    return out
 
 
 def _policy(name: str, instance: str, namespace: str, pods: dict[str, Any],
