@@ -9,13 +9,16 @@ namespaces, each trying a TCP connect to the head pod: Ray's ports 6379 (GCS), 8
 dashboard and /health: the resource serves, and an engine-only change stops the old Ray job
 and confirms it. Turning the policy off opens the Ray ports again: the closed ports were the
 policy's doing, not a port nobody listens on. The API port is open on the head pod only: a
-listener on a worker's port of that number answers the head, and no client (issue 39).
+listener on a worker's port of that number answers the head, and no client (issue 39). With
+`spec.networkPolicy.egress` on, the head reaches its worker, DNS and the one listed pod, and
+not a pod of another namespace that it reached before (issue 39).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +35,8 @@ NS = "t-netpol"
 CLIENTS = "t-netpol-clients"  # labelled team=clients: allowFrom's namespace
 OTHERS = "t-netpol-others"  # not labelled
 RAY_PORTS = (6379, DASHBOARD_PORT, 10001)
+RAY_AGENT_PORT = 52365  # the dashboard agent, on every Ray pod
+EGRESS_PORT = 9099  # a listener in the client pods, for the egress test
 ENFORCED_NODE = "node-1"
 # One TCP connect from inside a client pod: open, refused (kube-router REJECTs) or timeout.
 _CONNECT = ("import socket,sys\ns=socket.socket();s.settimeout(3)\n"
@@ -184,6 +189,52 @@ def test_allow_from_admits_only_the_selected_pods(vdp: Vdp) -> None:
     ray = reach(vdp, "inside", ip, RAY_PORTS)  # allowFrom opens the API port only
     assert "open" not in ray.values(), ray
     assert vdp.status()["phase"] == "Serving"  # the operator is no allowFrom source: admitted
+
+
+def pod_ip(vdp: Vdp, ns: str, name: str) -> str:
+    return str(vdp.cluster.kubectl_json("get", "pod", name, "-n", ns)["status"]["podIP"])
+
+
+def test_egress_reaches_only_its_own_pods_dns_and_what_it_lists(vdp: Vdp) -> None:
+    """Issue 39: with spec.networkPolicy.egress on, the head pod connects to its own worker,
+    resolves names, and reaches the one listed destination; another namespace's pod, open to
+    it before, is not; the resource still serves (the operator's calls are ingress)."""
+    job = vdp.wait_phase("Serving", 300)["headJob"]
+    pods = vdp.pods()
+    head, worker_ip = pods["head"]["metadata"]["name"], pods["worker"]["status"]["podIP"]
+    listen = f"nohup python3 -m http.server {EGRESS_PORT} >/dev/null 2>&1 &"
+    for ns, pod in ((CLIENTS, "inside"), (OTHERS, "stranger")):
+        connect(vdp, pod, "127.0.0.1", 1)  # waits for the pod to run
+        vdp.cluster.exec(ns, pod, "sh", "-c", listen)
+    listed, other = pod_ip(vdp, CLIENTS, "inside"), pod_ip(vdp, OTHERS, "stranger")
+
+    def from_head(ip: str, port: int) -> str:
+        return vdp.cluster.exec(NS, head, "python3", "-c", _CONNECT, ip,
+                                str(port)).stdout.strip()  # fmt: skip
+
+    vdp.wait("the stranger's listener, open to the head before", lambda: from_head(
+        other, EGRESS_PORT) == "open", 30)  # fmt: skip
+    body = resource(["--max-num-seqs=6"], allowFrom=ALLOW)  # as the allowFrom test left it
+    body["spec"]["networkPolicy"] = {"egress": {"enabled": True, "allowTo": [
+        {"namespaceSelector": {"matchLabels": {"team": "clients"}},
+         "podSelector": {"matchLabels": {"role": "x"}}, "ports": [EGRESS_PORT]}]}}  # fmt: skip
+    vdp.cluster.apply(body)
+    vdp.wait("the egress policy", lambda: vdp.cluster.kubectl(
+        "get", "networkpolicy", f"{NAME}-egress", "-n", NS, check=False).returncode == 0, 60)
+    vdp.wait("the stranger closed to the head", lambda: from_head(
+        other, EGRESS_PORT) != "open", 60, interval=3)  # fmt: skip
+    assert from_head(listed, EGRESS_PORT) == "open"
+    assert from_head(worker_ip, RAY_AGENT_PORT) == "open"  # its own pods: every port
+    resolved = vdp.cluster.exec(NS, head, "python3", "-c", "import socket;print(socket."
+                                "gethostbyname('kubernetes.default.svc.cluster.local'))")
+    assert resolved.stdout.strip(), resolved  # DNS, wherever the cluster serves it
+    time.sleep(10)  # two probe periods with the policy on
+    st = vdp.status()
+    assert (st["phase"], st["headJob"]) == ("Serving", job), st  # no relaunch, still probed
+    body["spec"].pop("networkPolicy")
+    vdp.cluster.apply(body)  # off again: open again
+    vdp.wait("the stranger open to the head again", lambda: from_head(
+        other, EGRESS_PORT) == "open", 60, interval=3)  # fmt: skip
 
 
 def test_turning_the_policy_off_opens_the_ray_ports(vdp: Vdp) -> None:
