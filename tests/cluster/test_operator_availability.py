@@ -31,6 +31,7 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -379,3 +380,77 @@ def test_e_surge_that_never_serves_leaves_the_old_serving(
     assert new in cond["message"], cond
     assert vdp.live_clusters() == [old]
     assert len(events(vdp, "UpdateStarted")) >= 1
+
+
+#: C2's new API port: outside Linux's ephemeral range and clear of Ray's own ports.
+NEW_PORT = 8100
+#: How long after the slice's write kube-proxy may take to program the Service's new port.
+KUBE_PROXY_SYNC_S = 1.5
+
+
+def ports_watch(vdp: Vdp, kind: str, template: str) -> RouteWatch:
+    """`kubectl get --watch` of the resource's Service or EndpointSlice, one line per change."""
+    kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
+    return RouteWatch([*kubectl, "get", kind, f"{NAME}-api", "-n", vdp.ns, "--watch", "-o",
+                       f"jsonpath={template}{{\"\\n\"}}"]).start()  # fmt: skip
+
+
+def test_c2_surge_to_a_new_port(vdp: Vdp, report: dict[str, str]) -> None:
+    """Issue 38 item 2 on the engine double: a Surge that changes `spec.service.port` (after
+    E, so from E's failed spec). A client on the old port loses nothing sent before the
+    switch; a client on the new port, started with the update, loses nothing sent once
+    kube-proxy has the port; the Service's and the slice's port move once and never back."""
+    vdp.wait_phase("Serving", 300)
+    vdp.wait("no update in progress", lambda: "update" not in vdp.status(), 120)
+    old_ip = vdp.pods()["head"]["status"]["podIP"]
+    routes = slice_watch(vdp, READY_BY_ADDRESS)
+    svc = ports_watch(vdp, "service", "{.spec.ports[*].port}")
+    eps = ports_watch(vdp, "endpointslice", "{.ports[*].port}")
+    new_url = f"http://{vdp.service_ip()}:{NEW_PORT}"
+    # Counts from its first 200, which comes with the switch (started in a thread: its start
+    # waits for that answer).
+    later = Traffic(vdp.cluster, vdp.ns, new_url, MODEL, f"{IMAGE}:dev", name="traffic-c2new",
+                    start_timeout=300)  # fmt: skip
+    starting = threading.Thread(target=later.__enter__, daemon=True)
+    try:
+        with traffic(vdp, "c2") as t:
+            vdp.wait("the slice watch's first line", lambda: routes.seen, 30)
+            applied = time.time()
+            vdp.cluster.apply(resource(vdp.ns, engineArgs=["--max-model-len=2048"],
+                                       service={"port": NEW_PORT}))  # fmt: skip
+            starting.start()
+            switched = vdp.wait("the slice off the old head", lambda: next((
+                at for at, s in routes.seen if at >= applied and ready_addresses(s)
+                and old_ip not in ready_addresses(s)), None), 300)  # fmt: skip
+            starting.join(120)
+            assert later.pod_ip, "the new port's client never had its first answer"
+            new = vdp.status()["rayCluster"]
+            vdp.wait("the old RayCluster gone after its drain",
+                     lambda: vdp.live_clusters() == [new], 120)  # fmt: skip
+            vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
+            time.sleep(5)  # the new generation alone, with traffic flowing
+        later.__exit__(None, None, None)
+    finally:
+        for w in (routes, svc, eps):
+            w.stop()
+    res, after = t.result, later.result
+    report["C2 Surge to a new port (old port)"] = t.summary()
+    report["C2 Surge to a new port (new port, from its first answer)"] = (
+        f"{later.summary()}; first answer {after['first_ok_at'] - switched:.1f}s after the "
+        "slice moved")  # fmt: skip
+    why = (f"old port: {t.summary()}\n{json.dumps(res['failures'][:10], indent=1)}\n"
+           f"new port: {later.summary()}\n{json.dumps(after['failures'][:10], indent=1)}\n"
+           f"--- service ports {svc.seen}\n--- slice ports {eps.seen}\n--- slice {routes.seen}"
+           f"\n{vdp.diagnostics()}")  # fmt: skip
+    # The ports move once: after the first line with the new port, never the old one again.
+    for name, w in (("Service", svc), ("slice", eps)):
+        lines = [line.split() for at, line in w.seen if at >= applied]
+        first = next((i for i, p in enumerate(lines) if str(NEW_PORT) in p), None)
+        assert first is not None, f"the {name} never took port {NEW_PORT}\n{why}"
+        assert all(p == [str(NEW_PORT)] for p in lines[first:] if p), f"{name} flapped\n{why}"
+    # The old port served until the switch (1 s: the watch sees the slice a moment late).
+    early = [o for o in res["outages"] if o["from"] < switched - 1.0]
+    assert early == [] and res["ok"] > 0, f"{early}\n{why}"
+    # The new port lost nothing sent once kube-proxy had it.
+    late = [o for o in after["outages"] if o["from"] >= switched + KUBE_PROXY_SYNC_S]
+    assert late == [], f"{late}\n{why}"

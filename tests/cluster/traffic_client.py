@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import http.client
 import http.server
 import json
 import os
 import select
+import socket
 import sys
 import threading
 import time
@@ -61,31 +63,38 @@ class Tally:
         # after later successes), and grouping by answer would split one outage into many.
         self._requests: list[tuple[float, float, bool]] = []
         self.pool: Pool | None = None  # its connections' counts go in the snapshot
+        self._early_ports: set[int] = set()  # local ports of failures before the first answer
         self.served_by: collections.Counter[str] = collections.Counter()  # answers per pod
 
     def record(self, sent: float, done: float, status: int | None, detail: str,
-               served_by: str = "") -> bool:  # fmt: skip
-        """Count one request (status None: no HTTP answer); False once stopped."""
+               served_by: str = "", local: int = 0) -> str | None:  # fmt: skip
+        """Count one request (status None: no HTTP answer); the detail as counted, None once
+        stopped. A failure from a local port that an attempt before the first answer used
+        says so: such an attempt leaves a conntrack entry without NAT (the Service had no such
+        port yet), and a later SYN of the same flow follows that entry."""
         good = status is not None and 200 <= status < 300
         with self.lock:
             if self.stopped_at is not None:
-                return False
+                return None
             if self.first_ok_at is None:
                 if not good:
                     self.before_first_ok += 1
-                    return True
+                    self._early_ports.add(local)
+                    return detail
                 self.first_ok_at = done
             self._requests.append((sent, done, good))
             if good:
                 self.ok += 1
                 if served_by:
                     self.served_by[served_by] += 1
-                return True
+                return detail
             self.failed += 1
+            if local and local in self._early_ports:
+                detail = f"{detail} [its local port was used before the first answer]"
             kept = self.failures if len(self.failures) < KEEP_FAILURES // 2 else self._latest
             kept.append({"sent": round(sent, 3), "done": round(done, 3), "status": status,
                          "detail": detail[:200]})  # fmt: skip
-            return True
+            return detail
 
     def stop(self) -> None:
         with self.lock:
@@ -130,21 +139,38 @@ def _outages(requests: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:
 
 #: The engine double's answer header naming the pod that answered (vLLM sends none).
 SERVED_BY = "X-Served-By"
-Answer = tuple[int | None, str, str]  # status (None: no HTTP answer), detail, served by
+#: status (None: no HTTP answer), detail, the pod that answered, the local port (0: none)
+Answer = tuple[int | None, str, str, int]
 
 
 def send_one(url: str, body: bytes, headers: dict[str, str], timeout: float) -> Answer:
-    """POST once on a new connection."""
+    """POST once on a new connection. The connection is made by hand so that a failure can
+    name its local port (assigned when the connect starts): a SYN that matches a stale
+    conntrack entry of an earlier attempt from the same port is not NATed again."""
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
+    local = 0
     try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        conn.sock = sock
+        sock.setblocking(False)
+        if sock.connect_ex((parts.hostname or "", parts.port or 80)) not in (
+                0, errno.EINPROGRESS):  # fmt: skip
+            raise OSError(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), "connect")
+        local = sock.getsockname()[1]
+        if not select.select([], [sock], [], timeout)[1]:
+            raise TimeoutError("timed out")
+        if err := sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            raise OSError(err, os.strerror(err))
+        sock.setblocking(True)
+        sock.settimeout(timeout)
         conn.request("POST", parts.path or "/", body=body, headers=headers)
         resp = conn.getresponse()
         text = resp.read(300).decode(errors="replace")
         by = resp.getheader(SERVED_BY) or ""
-        return resp.status, "" if 200 <= resp.status < 300 else text, by
+        return resp.status, "" if 200 <= resp.status < 300 else text, by, local
     except (OSError, http.client.HTTPException) as e:
-        return None, f"{type(e).__name__}: {e}", ""
+        return None, f"{type(e).__name__} (local port {local or '?'}): {e}", "", local
     finally:
         conn.close()
 
@@ -215,7 +241,7 @@ class Pool:
             self._close(conn)
             how = f"reused after {uses} answers, idle {idle:.2f}s" if uses else "new"
             where = f"kept-alive pool, {how} connection, local port {local or '?'}"
-            return None, f"{type(e).__name__} ({where}): {e}", ""
+            return None, f"{type(e).__name__} ({where}): {e}", "", int(local or 0)
         with self._lock:
             keep = not resp.will_close and len(self._idle) < self.size
             if keep:
@@ -224,7 +250,7 @@ class Pool:
         if not keep:
             self._close(conn)
         by = resp.getheader(SERVED_BY) or ""
-        return resp.status, "" if 200 <= resp.status < 300 else text, by
+        return resp.status, "" if 200 <= resp.status < 300 else text, by, int(local or 0)
 
 
 def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], timeout: float,
@@ -232,12 +258,13 @@ def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], ti
     """Send one request, count it, print it if it failed, and free its slot."""
     try:
         sent = time.time()
-        status, detail, by = (pool.send(body, headers) if pool is not None
-                              else send_one(url, body, headers, timeout))  # fmt: skip
+        status, detail, by, local = (pool.send(body, headers) if pool is not None
+                                     else send_one(url, body, headers, timeout))  # fmt: skip
         done = time.time()
-        if tally.record(sent, done, status, detail, by) and (status is None or status >= 300) \
+        counted = tally.record(sent, done, status, detail, by, local)
+        if counted is not None and (status is None or status >= 300) \
                 and tally.first_ok_at is not None:
-            print(f"failure sent={sent:.3f} done={done:.3f} status={status} {detail[:160]}",
+            print(f"failure sent={sent:.3f} done={done:.3f} status={status} {counted[:200]}",
                   flush=True)  # fmt: skip
     finally:
         slots.release()
