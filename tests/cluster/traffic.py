@@ -27,7 +27,8 @@ PORT = 8089
 def client_manifests(name: str, ns: str, image: str, url: str, model: str, rate: float,
                      api_key_secret: tuple[str, str] | None = None,
                      node: str | None = None,
-                     keep_alive: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+                     keep_alive: bool = False, wait_go: bool = False,
+                     ) -> list[dict[str, Any]]:  # fmt: skip
     """The ConfigMap with the script and the client's pod. The pod asks no CPU: the bed's
     nodes are promised to the Ray pods. The API key, if any, comes from its Secret as env."""
     labels = {"app.kubernetes.io/name": "traffic-client", "app.kubernetes.io/instance": name}
@@ -37,7 +38,8 @@ def client_manifests(name: str, ns: str, image: str, url: str, model: str, rate:
         "name": "client", "image": image, "imagePullPolicy": "Never",
         "command": ["python3", "/client/traffic_client.py", "--url", url, "--model", model,
                     "--rate", str(rate), "--port", str(PORT),
-                    *(["--keep-alive"] if keep_alive else [])],
+                    *(["--keep-alive"] if keep_alive else []),
+                    *(["--wait-go"] if wait_go else [])],
         "env": env, "ports": [{"containerPort": PORT, "name": "counts"}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": PORT},
                            "periodSeconds": 1, "failureThreshold": 1},
@@ -90,6 +92,8 @@ class Traffic:
     start_timeout: float = 120
     #: Kept-alive connections from a pool instead of a new connection per request.
     keep_alive: bool = False
+    #: Start idle, and send from `go()` on (its pod is Ready before).
+    wait_go: bool = False
     result: dict[str, Any] = field(default_factory=dict)
     pod_ip: str = ""
 
@@ -101,13 +105,18 @@ class Traffic:
         """The tally so far (see traffic_client.Tally.snapshot)."""
         return self._get("/counts")
 
+    def go(self) -> None:
+        """Start sending (a client made with `wait_go`)."""
+        self._get("/go")
+
     def logs(self) -> str:
         return self.cluster.kubectl("logs", "-n", self.ns, self.name, "--tail=60",
                                     check=False).stdout  # fmt: skip
 
     def __enter__(self) -> Traffic:
         docs = client_manifests(self.name, self.ns, self.image, self.url, self.model, self.rate,
-                                self.api_key_secret, keep_alive=self.keep_alive)  # fmt: skip
+                                self.api_key_secret, keep_alive=self.keep_alive,
+                                wait_go=self.wait_go)  # fmt: skip
         self.cluster.kubectl("delete", "pod,configmap", self.name, "-n", self.ns,
                              "--ignore-not-found", "--wait=true", timeout=60)  # fmt: skip
         self.cluster.apply(docs)

@@ -64,6 +64,7 @@ class Tally:
         self._requests: list[tuple[float, float, bool]] = []
         self.pool: Pool | None = None  # its connections' counts go in the snapshot
         self._early_ports: set[int] = set()  # local ports of failures before the first answer
+        self.go = threading.Event()  # set: sending (--wait-go holds it until GET /go)
         self.served_by: collections.Counter[str] = collections.Counter()  # answers per pod
 
     def record(self, sent: float, done: float, status: int | None, detail: str,
@@ -277,6 +278,7 @@ def pace(tally: Tally, url: str, body: bytes, headers: dict[str, str], rate: flo
     holds one of `in_flight` slots and does not lower the rate, as it would for a client that
     waits for each answer before the next."""
     slots = threading.Semaphore(in_flight)
+    tally.go.wait()
     due = time.monotonic()
     while tally.stopped_at is None:
         slots.acquire()
@@ -292,8 +294,12 @@ def serve(tally: Tally, port: int) -> http.server.ThreadingHTTPServer:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if self.path == "/ready":
-                code, body = (200, b"ok") if tally.first_ok_at else (503, b"no 200 yet")
+            if self.path == "/ready":  # waiting for /go, the server's start is enough
+                code, body = ((200, b"ok") if tally.first_ok_at or not tally.go.is_set()
+                              else (503, b"no 200 yet"))  # fmt: skip
+            elif self.path == "/go":
+                tally.go.set()
+                code, body = 200, b"sending"
             elif self.path in ("/counts", "/stop"):
                 if self.path == "/stop":
                     tally.stop()
@@ -323,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8089)
     p.add_argument("--keep-alive", action="store_true",
                    help="reuse connections from a pool instead of one per request")
+    p.add_argument("--wait-go", action="store_true",
+                   help="send nothing until GET /go (the pod is Ready meanwhile)")
     p.add_argument("--connections", type=int, default=12,
                    help="with --keep-alive: connections the pool opens and keeps")
     a = p.parse_args(argv)
@@ -335,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     url = a.url.rstrip("/") + "/v1/completions"
     pool = Pool(url, a.timeout, a.connections) if a.keep_alive else None
     tally.pool = pool
+    if not a.wait_go:
+        tally.go.set()
     threading.Thread(target=pace, args=(tally, url, body, headers, a.rate, a.timeout,
                                         a.in_flight, pool), daemon=True).start()  # fmt: skip
     print(f"sending to {url} at {a.rate}/s, at most {a.in_flight} open"
