@@ -165,7 +165,7 @@ def test_slow_failures_do_not_lower_the_rate(
     # Counted as they end: the last second's, still open at the stop, are not (a closed loop
     # of two senders would manage 2 a second here).
     assert final["failed"] >= 60 and final["rate"] >= 12, final
-    assert {f["detail"].split(":")[0] for f in final["failures"]} == {"TimeoutError"}, final
+    assert {f["detail"].split(" (")[0] for f in final["failures"]} == {"TimeoutError"}, final
 
 
 def test_tally_keeps_an_open_outage_and_caps_kept_failures() -> None:
@@ -181,7 +181,7 @@ def test_tally_keeps_an_open_outage_and_caps_kept_failures() -> None:
     assert sent == [3.0 + i for i in range(100)] + [3.0 + i for i in range(150, 250)]
     assert snap["outages"] == [{"from": 3.0, "to": None, "failed": 250}]
     t.stop()
-    assert t.record(999.0, 999.1, 500, "") is False
+    assert t.record(999.0, 999.1, 500, "") is None  # stopped: not counted
     assert t.snapshot()["failed"] == 250
 
 
@@ -219,13 +219,51 @@ def test_the_kept_alive_pool_reuses_a_connection_and_replaces_one_the_server_clo
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        pool = Pool(f"http://127.0.0.1:{server.server_port}/v1/completions", 5.0)
+        pool = Pool(f"http://127.0.0.1:{server.server_port}/v1/completions", 5.0, size=1)
         for _ in range(3):
-            assert pool.send(b"{}", {"Content-Type": "application/json"}) == (200, "")
+            assert pool.send(b"{}", {"Content-Type": "application/json"})[:2] == (200, "")
         assert len(set(peers)) == 1  # one connection, kept
-        for conn in pool._idle:
+        for conn, _ in pool._idle:
             conn.sock.shutdown(socket.SHUT_RDWR)  # as if the server closed it while idle
         time.sleep(0.1)
-        assert pool.send(b"{}", {"Content-Type": "application/json"}) == (200, "")
+        assert pool.send(b"{}", {"Content-Type": "application/json"})[:2] == (200, "")
+        assert len(set(peers)) == 2 and pool.stats() == {"opened": 2, "reused": 2}
+        # A pool of three opens three before it reuses any, then takes the one idle longest.
+        peers.clear()
+        wide = Pool(f"http://127.0.0.1:{server.server_port}/v1/completions", 5.0, size=3)
+        for _ in range(6):
+            wide.send(b"{}", {})
+        assert len(set(peers)) == 3 and peers[3:] == peers[:3], peers
+        assert wide.stats() == {"opened": 3, "reused": 3}
     finally:
         server.shutdown()
+
+
+def test_a_failure_from_a_port_an_early_attempt_used_says_so() -> None:
+    t = Tally()
+    t.record(1.0, 6.0, None, "TimeoutError (local port 40001): timed out", local=40001)
+    t.record(7.0, 7.1, 200, "", served_by="head-a")
+    again = t.record(8.0, 13.0, None, "TimeoutError (local port 40001): timed out", local=40001)
+    assert again is not None and again.endswith("[its local port was used before the first answer]")
+    other = t.record(9.0, 14.0, None, "TimeoutError (local port 40002): timed out", local=40002)
+    assert other is not None and not other.endswith("]")
+    snap = t.snapshot()
+    assert (snap["before_first_ok"], snap["failed"], snap["served_by"]) == (1, 2, {"head-a": 1})
+
+
+def test_wait_go_sends_nothing_until_go(engine: Engine) -> None:
+    engine.status = 200
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--url", f"http://127.0.0.1:{engine.port}", "--model", "m",
+         "--rate", "20", "--port", str(port), "--wait-go"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert wait_for(lambda: get(port, "/ready")[0] == 200)  # Ready while it waits
+        time.sleep(0.5)
+        assert json.loads(get(port, "/counts")[1])["total"] == 0 and engine.bodies == []
+        assert get(port, "/go")[0] == 200
+        wait_for(lambda: json.loads(get(port, "/counts")[1])["ok"] >= 3)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
