@@ -220,13 +220,14 @@ def _double_resource() -> dict[str, Any]:
             "metadata": {"name": NAME, "namespace": DOUBLE_NS}, "spec": spec}  # fmt: skip
 
 
-def _own_namespace(c: Cluster, ns: str) -> Iterator[str]:
-    """The test's namespace, deleted (and waited for) after it, pass or fail: the next test's
-    Ray head needs a whole node, which pods left behind would hold."""
+def _own_namespace(c: Cluster, ns: str, wait_after: bool = True) -> Iterator[str]:
+    """The test's namespace, deleted after it, pass or fail, and (`wait_after`) waited for:
+    the next test's Ray head needs a whole node, which pods left behind would hold. Its own
+    start deletes and waits too, for a kept cluster's earlier run."""
     c.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true", timeout=300)
     yield ns
-    c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=240s", check=False,
-              timeout=300)  # fmt: skip
+    c.kubectl("delete", "namespace", ns, f"--wait={str(wait_after).lower()}", "--timeout=240s",
+              check=False, timeout=300)  # fmt: skip
 
 
 @pytest.fixture
@@ -236,7 +237,9 @@ def double_ns(cluster: Cluster) -> Iterator[str]:
 
 @pytest.fixture
 def cpu_ns(cluster: Cluster) -> Iterator[str]:
-    yield from _own_namespace(cluster, CPU_NS)
+    # The tier's last test: the cluster goes next (test_kind_down.py), so nothing waits on
+    # its namespace's deletion (48 s of vLLM's shutdown in CI).
+    yield from _own_namespace(cluster, CPU_NS, wait_after=False)
 
 
 def test_dp2_on_the_engine_double_serves_and_deletes_cleanly(cluster: Cluster,
