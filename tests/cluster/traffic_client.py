@@ -299,7 +299,7 @@ def serve(tally: Tally, port: int) -> http.server.ThreadingHTTPServer:
                               else (503, b"no 200 yet"))  # fmt: skip
             elif self.path == "/go":
                 tally.go.set()
-                code, body = 200, b"sending"
+                code, body = 200, json.dumps(tally.snapshot()).encode()
             elif self.path in ("/counts", "/stop"):
                 if self.path == "/stop":
                     tally.stop()
