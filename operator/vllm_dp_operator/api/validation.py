@@ -13,12 +13,13 @@ from vllm_dp_operator import constants
 from vllm_dp_operator.api.models import (
     LORA_RANKS,
     PERCENT_PATTERN,
-    LabelSelector,
+    EgressDestination,
     LoraAdapter,
     PackStrategy,
     RayAuth,
     Scheduler,
     SelectorOperator,
+    TrafficSource,
     UpdateStrategy,
     VLLMDataParallelSpec,
     int_or_percent_ok,
@@ -388,15 +389,31 @@ _SELECTORS = ("namespaceSelector", "podSelector")
 _WITH_VALUES = (SelectorOperator.IN, SelectorOperator.NOT_IN)
 
 
-def _selectors(s: VLLMDataParallelSpec) -> list[LabelSelector]:
-    peers = s.service.allow_from or []
-    return [sel for p in peers for sel in (p.namespace_selector, p.pod_selector) if sel]
+def _allow_from(s: VLLMDataParallelSpec) -> list[TrafficSource]:
+    return s.service.allow_from or []
 
 
-def _each_selector(cond: str) -> str:
-    """CEL: `cond` (over `{sel}`) holds for every selector of every allowFrom entry."""
-    per_peer = " && ".join(f"(!has(p.{f}) || {cond.format(sel=f'p.{f}')})" for f in _SELECTORS)
-    return f"!has(self.service.allowFrom) || self.service.allowFrom.all(p, {per_peer})"
+def _allow_to(s: VLLMDataParallelSpec) -> list[EgressDestination]:
+    return s.network_policy.egress.allow_to
+
+
+def _expressions_rule(field: str, guard: str, peers: str,
+                      of: Callable[[VLLMDataParallelSpec], list[Any]]) -> Rule:  # fmt: skip
+    """Every matchExpressions entry of every selector of the peers at CEL path `peers` (present
+    when `guard` holds), which `of` gives in Python, takes values with In and NotIn only."""
+    expr_ok = ("(!has({sel}.matchExpressions) || {sel}.matchExpressions.all(e, "
+               "(e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0)))")
+    per_peer = " && ".join(f"(!has(p.{f}) || {expr_ok.format(sel=f'p.{f}')})"
+                           for f in _SELECTORS)  # fmt: skip
+    return Rule(
+        field=field,
+        cel=f"!({guard}) || {peers}.all(p, {per_peer})",
+        message="a matchExpressions entry takes values with In and NotIn (at least one), and "
+        "none with Exists and DoesNotExist",
+        holds=lambda s: all((e.operator in _WITH_VALUES) == bool(e.values)
+                            for p in of(s) for sel in (p.namespace_selector, p.pod_selector)
+                            if sel for e in sel.match_expressions),
+    )
 
 
 _ALLOW_FROM_RULES = (
@@ -409,17 +426,8 @@ _ALLOW_FROM_RULES = (
         holds=lambda s: all(p.namespace_selector or p.pod_selector
                             for p in s.service.allow_from or []),
     ),
-    Rule(
-        field="service.allowFrom",
-        cel=_each_selector(
-            "(!has({sel}.matchExpressions) || {sel}.matchExpressions.all(e, "
-            "(e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0)))"
-        ),
-        message="a matchExpressions entry takes values with In and NotIn (at least one), and "
-        "none with Exists and DoesNotExist",
-        holds=lambda s: all((e.operator in _WITH_VALUES) == bool(e.values)
-                            for sel in _selectors(s) for e in sel.match_expressions),
-    ),
+    _expressions_rule("service.allowFrom", "has(self.service.allowFrom)",
+                      "self.service.allowFrom", _allow_from),
 )
 
 
@@ -445,21 +453,10 @@ _EGRESS_RULES = (
         "both, and not neither (which would allow every destination)",
         holds=lambda s: all((d.cidr is not None)
                             != (d.namespace_selector is not None or d.pod_selector is not None)
-                            for d in s.network_policy.egress.allow_to),
+                            for d in _allow_to(s)),
     ),
-    Rule(
-        field="networkPolicy.egress.allowTo",
-        cel=f"!({_ALLOW_TO}) || self.networkPolicy.egress.allowTo.all(d, "
-        + " && ".join(f"(!has(d.{f}) || !has(d.{f}.matchExpressions) || "
-                      f"d.{f}.matchExpressions.all(e, (e.operator in ['In', 'NotIn']) == "
-                      "(has(e.values) && size(e.values) > 0)))" for f in _SELECTORS) + ")",
-        message="a matchExpressions entry takes values with In and NotIn (at least one), and "
-        "none with Exists and DoesNotExist",
-        holds=lambda s: all((e.operator in _WITH_VALUES) == bool(e.values)
-                            for d in s.network_policy.egress.allow_to
-                            for sel in (d.namespace_selector, d.pod_selector) if sel
-                            for e in sel.match_expressions),
-    ),
+    _expressions_rule("networkPolicy.egress.allowTo", _ALLOW_TO,
+                      "self.networkPolicy.egress.allowTo", _allow_to),
 )
 
 

@@ -79,7 +79,8 @@ def _selector(sel: LabelSelector) -> dict[str, Any]:
     return out
 
 
-def _peer(source: TrafficSource) -> dict[str, Any]:
+def _peer(source: TrafficSource | EgressDestination) -> dict[str, Any]:
+    """The selectors of an allowFrom or allowTo entry, as a NetworkPolicy peer."""
     peer: dict[str, Any] = {}
     if source.namespace_selector is not None:
         peer["namespaceSelector"] = _selector(source.namespace_selector)
@@ -145,11 +146,7 @@ def build_api_network_policy(
 
 
 def _destination(dest: EgressDestination) -> dict[str, Any]:
-    if dest.cidr is not None:
-        peer: dict[str, Any] = {"ipBlock": {"cidr": dest.cidr}}
-    else:
-        peer = _peer(TrafficSource(namespace_selector=dest.namespace_selector,
-                                   pod_selector=dest.pod_selector))  # fmt: skip
+    peer = {"ipBlock": {"cidr": dest.cidr}} if dest.cidr is not None else _peer(dest)
     rule: dict[str, Any] = {"to": [peer]}
     if dest.ports:
         rule["ports"] = _ports(*dest.ports)
@@ -164,10 +161,8 @@ def build_egress_network_policy(
     dns = [{"protocol": proto, "port": 53} for proto in ("UDP", "TCP")]
     egress: list[dict[str, Any]] = [{"to": [{"podSelector": own_pods}]}, {"ports": dns}]
     egress += [_destination(d) for d in spec.network_policy.egress.allow_to]
-    policy = _policy(names.egress_network_policy(instance), instance, namespace, own_pods, [],
-                     owner)  # fmt: skip
-    policy["spec"] = {"podSelector": own_pods, "policyTypes": ["Egress"], "egress": egress}
-    return policy
+    return _policy(names.egress_network_policy(instance), instance, namespace, own_pods,
+                   egress, owner, direction="Egress")  # fmt: skip
 
 
 def build_network_policies(
@@ -184,14 +179,15 @@ def build_network_policies(
 
 
 def _policy(name: str, instance: str, namespace: str, pods: dict[str, Any],
-            ingress: list[dict[str, Any]], owner: dict[str, Any] | None,
-            ) -> dict[str, Any]:  # fmt: skip
+            rules: list[dict[str, Any]], owner: dict[str, Any] | None,
+            direction: str = "Ingress") -> dict[str, Any]:  # fmt: skip
+    """A policy of the resource over `pods`, with `rules` for one direction."""
     labels = names.instance_labels(instance, constants.COMPONENT_NETWORK_POLICY)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": metadata(name, namespace, labels, owner),
-        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {"podSelector": pods, "policyTypes": [direction], direction.lower(): rules},
     }
 
 
