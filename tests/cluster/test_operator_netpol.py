@@ -91,12 +91,18 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
         operator.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-def connect(vdp: Vdp, pod: str, ip: str, port: int) -> str:
-    """What a TCP connect from client `pod` to ip:port does."""
+def running(vdp: Vdp, pod: str) -> str:
+    """Client `pod`'s namespace, once the pod runs."""
     ns = OTHERS if pod == "stranger" else CLIENTS
     vdp.wait(f"client pod {pod} running", lambda: vdp.cluster.kubectl(
         "get", "pod", pod, "-n", ns, "-o", "jsonpath={.status.phase}",
         check=False).stdout == "Running", 120)  # fmt: skip
+    return ns
+
+
+def connect(vdp: Vdp, pod: str, ip: str, port: int) -> str:
+    """What a TCP connect from client `pod` to ip:port does."""
+    ns = running(vdp, pod)
     return vdp.cluster.exec(ns, pod, "python3", "-c", _CONNECT, ip, str(port)).stdout.strip()
 
 
@@ -203,9 +209,8 @@ def test_egress_reaches_only_its_own_pods_dns_and_what_it_lists(vdp: Vdp) -> Non
     pods = vdp.pods()
     head, worker_ip = pods["head"]["metadata"]["name"], pods["worker"]["status"]["podIP"]
     listen = f"nohup python3 -m http.server {EGRESS_PORT} >/dev/null 2>&1 &"
-    for ns, pod in ((CLIENTS, "inside"), (OTHERS, "stranger")):
-        connect(vdp, pod, "127.0.0.1", 1)  # waits for the pod to run
-        vdp.cluster.exec(ns, pod, "sh", "-c", listen)
+    for pod in ("inside", "stranger"):
+        vdp.cluster.exec(running(vdp, pod), pod, "sh", "-c", listen)
     listed, other = pod_ip(vdp, CLIENTS, "inside"), pod_ip(vdp, OTHERS, "stranger")
 
     def from_head(ip: str, port: int) -> str:

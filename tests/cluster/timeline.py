@@ -87,10 +87,11 @@ def ready_addresses(state: str) -> set[str]:
     return {a for a, r in zip(addresses.split(), ready.split(), strict=False) if r == "true"}
 
 
-def route_watch(kubectl: list[str], ns: str, name: str, fields: str = READY) -> RouteWatch:
-    """Watch `name`'s endpoints, one line per change in the form of `fields` (a jsonpath);
-    the slice may not exist yet: a field selector lists none then."""
-    return RouteWatch([*kubectl, "get", "endpointslices", "-n", ns, "--watch",
+def route_watch(kubectl: list[str], ns: str, name: str, fields: str = READY,
+                kind: str = "endpointslices") -> RouteWatch:  # fmt: skip
+    """Watch `name` (an EndpointSlice, or another `kind`), one line per change in the form of
+    `fields` (a jsonpath); it may not exist yet: a field selector lists none then."""
+    return RouteWatch([*kubectl, "get", kind, "-n", ns, "--watch",
                        f"--field-selector=metadata.name={name}", "-o",
                        f"jsonpath={fields}{{\"\\n\"}}"]).start()  # fmt: skip
 

@@ -63,39 +63,32 @@ class Tally:
         # after later successes), and grouping by answer would split one outage into many.
         self._requests: list[tuple[float, float, bool]] = []
         self.pool: Pool | None = None  # its connections' counts go in the snapshot
-        self._early_ports: set[int] = set()  # local ports of failures before the first answer
         self.go = threading.Event()  # set: sending (--wait-go holds it until GET /go)
         self.served_by: collections.Counter[str] = collections.Counter()  # answers per pod
 
     def record(self, sent: float, done: float, status: int | None, detail: str,
-               served_by: str = "", local: int = 0) -> str | None:  # fmt: skip
-        """Count one request (status None: no HTTP answer); the detail as counted, None once
-        stopped. A failure from a local port that an attempt before the first answer used
-        says so: such an attempt leaves a conntrack entry without NAT (the Service had no such
-        port yet), and a later SYN of the same flow follows that entry."""
+               served_by: str = "") -> bool:  # fmt: skip
+        """Count one request (status None: no HTTP answer); False once stopped."""
         good = status is not None and 200 <= status < 300
         with self.lock:
             if self.stopped_at is not None:
-                return None
+                return False
             if self.first_ok_at is None:
                 if not good:
                     self.before_first_ok += 1
-                    self._early_ports.add(local)
-                    return detail
+                    return True
                 self.first_ok_at = done
             self._requests.append((sent, done, good))
             if good:
                 self.ok += 1
                 if served_by:
                     self.served_by[served_by] += 1
-                return detail
+                return True
             self.failed += 1
-            if local and local in self._early_ports:
-                detail = f"{detail} [its local port was used before the first answer]"
             kept = self.failures if len(self.failures) < KEEP_FAILURES // 2 else self._latest
             kept.append({"sent": round(sent, 3), "done": round(done, 3), "status": status,
                          "detail": detail[:200]})  # fmt: skip
-            return detail
+            return True
 
     def stop(self) -> None:
         with self.lock:
@@ -140,14 +133,14 @@ def _outages(requests: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:
 
 #: The engine double's answer header naming the pod that answered (vLLM sends none).
 SERVED_BY = "X-Served-By"
-#: status (None: no HTTP answer), detail, the pod that answered, the local port (0: none)
-Answer = tuple[int | None, str, str, int]
+#: status (None: no HTTP answer), detail, the pod that answered
+Answer = tuple[int | None, str, str]
 
 
 def send_one(url: str, body: bytes, headers: dict[str, str], timeout: float) -> Answer:
     """POST once on a new connection. The connection is made by hand so that a failure can
-    name its local port (assigned when the connect starts): a SYN that matches a stale
-    conntrack entry of an earlier attempt from the same port is not NATed again."""
+    name its local port (assigned when the connect starts), which names its flow in the
+    node's conntrack."""
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout)
     local = 0
@@ -169,9 +162,9 @@ def send_one(url: str, body: bytes, headers: dict[str, str], timeout: float) -> 
         resp = conn.getresponse()
         text = resp.read(300).decode(errors="replace")
         by = resp.getheader(SERVED_BY) or ""
-        return resp.status, "" if 200 <= resp.status < 300 else text, by, local
+        return resp.status, "" if 200 <= resp.status < 300 else text, by
     except (OSError, http.client.HTTPException) as e:
-        return None, f"{type(e).__name__} (local port {local or '?'}): {e}", "", local
+        return None, f"{type(e).__name__} (local port {local or '?'}): {e}", ""
     finally:
         conn.close()
 
@@ -195,7 +188,8 @@ class Pool:
         self.timeout = timeout
         self.size = size
         self._open = 0  # connections made and not yet closed
-        self._idle: list[tuple[http.client.HTTPConnection, int]] = []
+        #: Idle connections: each with the answers it carried and since when it is idle.
+        self._idle: list[tuple[http.client.HTTPConnection, int, float]] = []
         self._lock = threading.Lock()
         self.opened = 0  # connections made
         self.reused = 0  # requests sent on a connection that had answered before
@@ -204,20 +198,21 @@ class Pool:
         with self._lock:
             return {"opened": self.opened, "reused": self.reused}
 
-    def _take(self) -> tuple[http.client.HTTPConnection, int]:
-        """A connection and how many answers it carried before (0: new)."""
+    def _take(self) -> tuple[http.client.HTTPConnection, int, float]:
+        """A connection, how many answers it carried before (0: new), and since when idle."""
         with self._lock:
             while self._open >= self.size and self._idle:
-                conn, uses = self._idle.pop(0)
+                conn, uses, since = self._idle.pop(0)
                 sock = conn.sock
                 if sock is not None and not select.select([sock], [], [], 0)[0]:
                     self.reused += 1
-                    return conn, uses  # open, and nothing (no EOF) waiting on it
+                    return conn, uses, since  # open, and nothing (no EOF) waiting on it
                 conn.close()
                 self._open -= 1
             self.opened += 1
             self._open += 1
-        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout), 0
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return conn, 0, time.monotonic()
 
     def _close(self, conn: http.client.HTTPConnection) -> None:
         conn.close()
@@ -228,13 +223,12 @@ class Pool:
         """POST once on a kept connection. A failure's detail says whether the connection was
         new or reused (after how many answers, idle how long) and its local port, which names
         its flow in the node's conntrack."""
-        conn, uses = self._take()
-        local, idle = "", 0.0
+        conn, uses, since = self._take()
+        idle, local = time.monotonic() - since, ""
         try:
             if conn.sock is None:
                 conn.connect()
             local = str(conn.sock.getsockname()[1]) if conn.sock is not None else ""
-            idle = time.monotonic() - getattr(conn, "vdp_idle_since", time.monotonic())
             conn.request("POST", self.path or "/", body=body, headers=headers)
             resp = conn.getresponse()
             text = resp.read().decode(errors="replace")[:300]
@@ -242,16 +236,15 @@ class Pool:
             self._close(conn)
             how = f"reused after {uses} answers, idle {idle:.2f}s" if uses else "new"
             where = f"kept-alive pool, {how} connection, local port {local or '?'}"
-            return None, f"{type(e).__name__} ({where}): {e}", "", int(local or 0)
+            return None, f"{type(e).__name__} ({where}): {e}", ""
         with self._lock:
             keep = not resp.will_close and len(self._idle) < self.size
             if keep:
-                conn.vdp_idle_since = time.monotonic()  # type: ignore[attr-defined]
-                self._idle.append((conn, uses + 1))
+                self._idle.append((conn, uses + 1, time.monotonic()))
         if not keep:
             self._close(conn)
         by = resp.getheader(SERVED_BY) or ""
-        return resp.status, "" if 200 <= resp.status < 300 else text, by, int(local or 0)
+        return resp.status, "" if 200 <= resp.status < 300 else text, by
 
 
 def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], timeout: float,
@@ -259,13 +252,12 @@ def one_request(tally: Tally, url: str, body: bytes, headers: dict[str, str], ti
     """Send one request, count it, print it if it failed, and free its slot."""
     try:
         sent = time.time()
-        status, detail, by, local = (pool.send(body, headers) if pool is not None
-                                     else send_one(url, body, headers, timeout))  # fmt: skip
+        status, detail, by = (pool.send(body, headers) if pool is not None
+                              else send_one(url, body, headers, timeout))  # fmt: skip
         done = time.time()
-        counted = tally.record(sent, done, status, detail, by, local)
-        if counted is not None and (status is None or status >= 300) \
+        if tally.record(sent, done, status, detail, by) and (status is None or status >= 300) \
                 and tally.first_ok_at is not None:
-            print(f"failure sent={sent:.3f} done={done:.3f} status={status} {counted[:200]}",
+            print(f"failure sent={sent:.3f} done={done:.3f} status={status} {detail[:200]}",
                   flush=True)  # fmt: skip
     finally:
         slots.release()

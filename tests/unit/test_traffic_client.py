@@ -181,7 +181,7 @@ def test_tally_keeps_an_open_outage_and_caps_kept_failures() -> None:
     assert sent == [3.0 + i for i in range(100)] + [3.0 + i for i in range(150, 250)]
     assert snap["outages"] == [{"from": 3.0, "to": None, "failed": 250}]
     t.stop()
-    assert t.record(999.0, 999.1, 500, "") is None  # stopped: not counted
+    assert t.record(999.0, 999.1, 500, "") is False
     assert t.snapshot()["failed"] == 250
 
 
@@ -223,7 +223,7 @@ def test_the_kept_alive_pool_reuses_a_connection_and_replaces_one_the_server_clo
         for _ in range(3):
             assert pool.send(b"{}", {"Content-Type": "application/json"})[:2] == (200, "")
         assert len(set(peers)) == 1  # one connection, kept
-        for conn, _ in pool._idle:
+        for conn, _, _ in pool._idle:
             conn.sock.shutdown(socket.SHUT_RDWR)  # as if the server closed it while idle
         time.sleep(0.1)
         assert pool.send(b"{}", {"Content-Type": "application/json"})[:2] == (200, "")
@@ -239,16 +239,16 @@ def test_the_kept_alive_pool_reuses_a_connection_and_replaces_one_the_server_clo
         server.shutdown()
 
 
-def test_a_failure_from_a_port_an_early_attempt_used_says_so() -> None:
+def test_answers_are_counted_by_the_pod_that_gave_them() -> None:
     t = Tally()
-    t.record(1.0, 6.0, None, "TimeoutError (local port 40001): timed out", local=40001)
+    t.record(1.0, 6.0, None, "TimeoutError (local port 40001): timed out")
     t.record(7.0, 7.1, 200, "", served_by="head-a")
-    again = t.record(8.0, 13.0, None, "TimeoutError (local port 40001): timed out", local=40001)
-    assert again is not None and again.endswith("[its local port was used before the first answer]")
-    other = t.record(9.0, 14.0, None, "TimeoutError (local port 40002): timed out", local=40002)
-    assert other is not None and not other.endswith("]")
+    t.record(7.5, 7.6, 200, "", served_by="head-b")
+    t.record(8.0, 8.1, 200, "", served_by="head-a")
+    t.record(9.0, 14.0, None, "TimeoutError (local port 40002): timed out")
     snap = t.snapshot()
-    assert (snap["before_first_ok"], snap["failed"], snap["served_by"]) == (1, 2, {"head-a": 1})
+    assert (snap["before_first_ok"], snap["failed"]) == (1, 1)
+    assert snap["served_by"] == {"head-a": 2, "head-b": 1}
 
 
 def test_wait_go_sends_nothing_until_go(engine: Engine) -> None:
