@@ -129,7 +129,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     controller = Controller(api, CONFIG, probe, GatedRayJobs(DashboardJobs(transport), gate),
                             namespaces=CONFIG.watch_namespaces,
                             leading=elector is None, logs=kube.follow_log,
-                            lora_transport=GatedTransport(transport, gate))  # fmt: skip
+                            engine_calls=GatedTransport(transport, gate))  # fmt: skip
     memo.kube, memo.transport, memo.controller, memo.elector = kube, transport, controller, elector
     memo.legacy = LegacyFinalizer(api)
     controller.start()
@@ -146,7 +146,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         auth = (MetricsAuth(ApiClientReviews(kube.api), audiences=CONFIG.metrics_audiences)
                 if CONFIG.metrics_auth == "kubernetes" else None)  # fmt: skip
         memo.metrics_server = await serve_metrics(
-            controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port, auth
+            controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port, auth,
+            counters=controller.counters,
         )
     memo.readiness_server = None
     if CONFIG.readiness_port:
@@ -185,6 +186,8 @@ async def on_owner_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> Non
 
 @kopf.on.probe(id="controller")
 async def controller_health(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
-    """Liveness: fails when a reflector or worker task has died."""
+    """Liveness: fails when a reflector or worker task has died. It says nothing more: the
+    probe answers anyone who reaches the pod, and the counters (how many objects of each
+    namespace) are on the metrics server's /debug/controller, behind its auth."""
     health: dict[str, Any] = memo.controller.health()
     return health

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -84,9 +85,13 @@ class OperatorProcess:
                     "VLLMDP_RAY_AUTH_KEY_FILE": ray_auth_key_file(),
                     **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
         self.log = log
+        self.extra_env = extra_env
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.ready_port = 0
+        #: The metrics server's port (its /debug/controller serves the counters); a test that
+        #: sets VLLMDP_METRICS_PORT itself picks it, else each start takes a free one.
+        self.metrics_port = int(self.env.get("VLLMDP_METRICS_PORT") or 0)
         self.lease_name = lease_name
         self._log_from = 0
         #: Watch one namespace (kopf --namespace) instead of all of them.
@@ -99,6 +104,12 @@ class OperatorProcess:
         while self.ready_port == self.port:
             self.ready_port = _free_port()
         self.env["VLLMDP_READINESS_PORT"] = str(self.ready_port)
+        if "VLLMDP_METRICS_PORT" not in (self.extra_env or {}):
+            self.metrics_port = _free_port()
+            while self.metrics_port in (self.port, self.ready_port):
+                self.metrics_port = _free_port()
+            self.env.update(VLLMDP_METRICS_PORT=str(self.metrics_port),
+                            VLLMDP_METRICS_HOST="127.0.0.1", VLLMDP_METRICS_AUTH="none")
         self.env["VLLMDP_LEASE_NAME"] = self.lease_name or f"vdp-test-{os.urandom(4).hex()}"
         self._log_from = self.log.stat().st_size if self.log.exists() else 0
         scope = [f"--namespace={self.namespace}"] if self.namespace else ["--all-namespaces"]
@@ -133,6 +144,14 @@ class OperatorProcess:
         found = _IDENTITY.search(text)
         assert found, f"no identity in the operator's log:\n{self.log_tail()}"
         return found.group(1)
+
+    def counters(self) -> dict[str, Any]:
+        """The controller's counters (queue, caches, reflectors' requests, readiness), read
+        fresh from the metrics server's /debug/controller (metrics auth is off here)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/debug/controller"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            found: dict[str, Any] = json.loads(resp.read())
+        return found
 
     def readiness(self) -> tuple[int, str]:
         """GET /readyz: the status code and the body."""

@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -134,13 +133,12 @@ async def _until(what: str, check: Any, timeout: float, log: OperatorProcess) ->
 
 
 def _reconciles(op: OperatorProcess) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{op.port}/healthz", timeout=5) as resp:
-        return int((json.loads(resp.read()).get("controller") or {}).get("reconciles", 0))
+    return int(op.counters().get("reconciles", 0))
 
 
 async def _quiet(op: OperatorProcess, seconds: float = 12) -> None:
-    """Until no reconcile ran for `seconds`: more than the 10 s kopf keeps a probe's answer
-    (/healthz) for, or an unchanged count could be one cached answer read twice."""
+    """Until no reconcile ran for `seconds` (longer than any probe period here), by the
+    controller's reconcile counter, read fresh from /debug/controller."""
     seen, last = _reconciles(op), time.monotonic()
     while time.monotonic() - last < seconds:
         await asyncio.sleep(0.5)

@@ -3,15 +3,14 @@
 KubeRay's CRDs are deleted from the bed (its operator keeps running, so the finalizers on
 RayJobs left by earlier tests are still handled and the deletion completes), then the operator
 starts: its RayCluster and RayJob reflectors are answered 404. A new resource must show a
-condition naming the missing kind within 30 s, the operator's readiness (Controller.ready(),
-reported in its /healthz answer) and `vllmdp_watch_ready` must say the same, and the cause is
+condition naming the missing kind within 30 s, the operator's readiness (Controller.ready(), in
+its /debug/controller counters) and `vllmdp_watch_ready` must say the same, and the cause is
 logged once, not at every retry. After the CRDs are reinstalled the same process converges the
 resource. The fixture reinstalls KubeRay's CRDs whatever happens, for the tests that follow.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import urllib.request
@@ -86,10 +85,8 @@ def operator(testbed: Any, testbed_namespace: str, tmp_path: Path,
 
 
 def readiness(op: OperatorProcess) -> dict[str, Any]:
-    """Controller.ready() as the operator's /healthz answer reports it (kopf keeps a probe's
-    answer for 10 s, so a caller waits for a change rather than reading it once)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{op.port}/healthz", timeout=5) as resp:
-        health: dict[str, Any] = json.loads(resp.read())["controller"]
+    """Controller.ready() as the operator's /debug/controller answer reports it."""
+    health = op.counters()
     return {"ready": health["ready"], "readiness": health["readiness"]}
 
 

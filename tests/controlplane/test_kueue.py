@@ -17,7 +17,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -166,14 +165,13 @@ def test_kueue_installed_after_the_operator_is_listed_once_its_crd_serves(
     assert 0 <= listed - serves < 5, (serves, listed, operator.log_tail())
 
     def counters() -> dict[str, dict[str, int]]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz", timeout=5) as r:
-            found: dict[str, dict[str, int]] = json.load(r)["controller"]["reflectors"]
+        found: dict[str, dict[str, int]] = operator.counters()["reflectors"]
         assert found["workloads"]["lists"] >= 1, found
         return found
 
-    # kopf keeps a probe's answer for 10 s: one read may predate the LIST the log shows.
+    # The log line may be written a moment before the counter is read.
     try:
-        counts = testbed.wait_until("the Workloads' LIST in /healthz's counters", counters,
+        counts = testbed.wait_until("the Workloads' LIST in the controller's counters", counters,
                                     timeout=15, interval=1)  # fmt: skip
     except AssertionError as e:
         raise AssertionError(f"{e}\n{operator.log_tail()}") from None

@@ -6,6 +6,7 @@ checked is what the operator does with its answers.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
@@ -155,10 +156,10 @@ async def test_an_answer_that_names_none_of_our_audiences_is_not_taken() -> None
     assert (await auth.check("Bearer t")).status == 401
 
 
-async def _scrape(port: int, token: str | None) -> tuple[int, str]:
+async def _scrape(port: int, token: str | None, path: str = "/metrics") -> tuple[int, str]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as http, \
-            http.get(f"http://127.0.0.1:{port}/metrics", headers=headers) as resp:
+            http.get(f"http://127.0.0.1:{port}{path}", headers=headers) as resp:
         return resp.status, await resp.text()
 
 
@@ -181,5 +182,23 @@ async def test_the_endpoint_serves_only_an_authorized_scrape() -> None:
         api.down = False
         api.users["fresh-token"] = "system:serviceaccount:mon:prometheus"
         assert (await _scrape(port, "fresh-token"))[0] == 200
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_controller_counters_need_the_same_authorization() -> None:
+    """The counters say how many objects each watched namespace holds: not for anyone who
+    reaches the pod (the liveness probe says only "alive"), but for an authorized scraper."""
+    auth, _, _ = _auth()
+    counters = {"cached": {"vllmdataparallels": 7}, "ready": True}
+    runner = await serve_metrics(CollectorRegistry(), "127.0.0.1", 0, auth,
+                                 counters=lambda: counters)  # fmt: skip
+    try:
+        port = runner.addresses[0][1]
+        for token, status in ((None, 401), ("other", 403)):
+            code, text = await _scrape(port, token, "/debug/controller")
+            assert code == status and "vllmdataparallels" not in text, (token, code, text)
+        code, text = await _scrape(port, "good", "/debug/controller")
+        assert code == 200 and json.loads(text) == counters
     finally:
         await runner.cleanup()

@@ -170,7 +170,9 @@ async def test_kuberay_missing_at_start_is_said_everywhere_then_recovers(
     assert not ready and NOT_SERVED in why
     assert bed.watch_ready("rayclusters.ray.io/v1") == 0
     assert bed.watch_ready("pods/v1") == 1
-    assert bed.ctl.health()["ready"] is False  # liveness answers: a restart would not help
+    # Liveness answers (a restart would not help); readiness, in the counters, says no.
+    assert bed.ctl.health() == {"alive": True}
+    assert bed.ctl.counters()["ready"] is False
     assert not bed.api.named(SERVICE), "nothing decided while a child kind is unknown"
 
     # Retries go on (a LIST each), but each cause is logged once.
@@ -367,4 +369,4 @@ async def test_a_crd_that_cannot_be_read_falls_back_to_asking_every_minute(bed: 
     bed.ctl.start()
     await bed.until("the CRD's refusal", lambda: bed.ctl.kueue.blind.is_set())
     assert await asyncio.wait_for(bed.ctl.kueue.until_served(), 1) is False
-    assert bed.ctl.health()["reflectors"]["customresourcedefinitions"]["watches"] == 0
+    assert bed.ctl.counters()["reflectors"]["customresourcedefinitions"]["watches"] == 0

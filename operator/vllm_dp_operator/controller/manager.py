@@ -178,7 +178,7 @@ class Controller:
         namespaces: Sequence[str] = (), post_event: Callable[[Obj, Event], None] | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         metrics: OperatorMetrics | None = None, leading: bool = True,
-        logs: LogSource | None = None, lora_transport: ServiceTransport | None = None,
+        logs: LogSource | None = None, engine_calls: ServiceTransport | None = None,
     ) -> None:  # fmt: skip
         self.api, self.cfg, self.probe, self.ray_jobs = api, cfg, probe, ray_jobs
         self.poster = EventPoster(api, gate=self._quiet) if post_event is None else None
@@ -244,7 +244,7 @@ class Controller:
                                 metrics_seconds=cfg.probe_metrics_seconds,
                                 on_loads=self.metrics.set_engine_loads, reports=self.reports,
                                 probing=cfg.health_probe != PROBES_OFF,
-                                transport=lora_transport)  # fmt: skip
+                                transport=engine_calls)  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -366,12 +366,22 @@ class Controller:
             self.queue.add(key, urgent=key in self._new)
 
     def health(self) -> dict[str, Any]:
-        """Liveness: raise when a task died; else the queue's and caches' numbers."""
-        for task in self._tasks:
-            if task.done() and task.get_name() != "announce":
-                raise RuntimeError(f"controller task {task.get_name()} has stopped")
+        """Liveness: raise when a task died; else only that it is alive."""
+        if (dead := self._dead_task()) is not None:
+            raise RuntimeError(f"controller task {dead} has stopped")
+        return {"alive": True}
+
+    def _dead_task(self) -> str | None:
+        """The name of a task that should run for ever and has ended, if any."""
+        return next((t.get_name() for t in self._tasks
+                     if t.done() and t.get_name() != "announce"), None)  # fmt: skip
+
+    def counters(self) -> dict[str, Any]:
+        """The queue's, caches' and reflectors' numbers, and readiness (for an authorized
+        reader: /debug/controller)."""
         ready, why = self.ready()
         return {
+            "alive": self._dead_task() is None,
             "synced": self.synced,
             "ready": ready,
             "readiness": why,
