@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_dp_launcher import health, raycluster, report, stages
+from vllm_dp_launcher import drain_gate, health, raycluster, report, stages
 from vllm_dp_launcher.beside import PreflightBeside
 from vllm_dp_launcher.cluster import GpuNode, layout_problems, wait_for_cluster
 from vllm_dp_launcher.command import (
@@ -204,6 +204,7 @@ def _launch(plan: LaunchPlan, ray_address: str | None, progress_interval: float)
     if ray_address:
         env[raycluster.RAY_ADDRESS_ENV] = ray_address
     check_stop_wait(plan, os.environ)
+    drain_gate.clear()  # a drain of an earlier head job on this pod is not this one's
     url = health.health_url(plan)
     request = health.completion_request(plan, env)
 

@@ -56,6 +56,11 @@ RAY_TOKEN_SECRET_SUFFIX: Final = "-ray-token"
 # server's service proxy consumes `Authorization` itself, so KubeRay sends this one.
 RAY_TOKEN_SECRET_KEY: Final = "auth_token"
 RAY_AUTH_HEADER: Final = "x-ray-authorization"
+#: A head that drains is stopped once no request runs there and no client request came for
+#: this long after it was told to close kept-alive connections (engines/drain.py).
+DRAIN_QUIET_SECONDS: Final = 3.0
+#: How often a head that drains is probed (at most; its drain call and /metrics each time).
+DRAIN_PROBE_SECONDS: Final = 2.0
 NETWORK_POLICY_SUFFIX: Final = "-ray"  # the NetworkPolicy in front of the Ray pods
 API_POLICY_SUFFIX: Final = "-api-port"  # the one that opens the API port, on head pods only
 EGRESS_POLICY_SUFFIX: Final = "-egress"  # the opt-in one that limits the Ray pods' egress

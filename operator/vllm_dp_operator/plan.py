@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from vllm_dp_launcher import lora_gate, servecheck
+from vllm_dp_launcher import drain_gate, lora_gate, servecheck
 from vllm_dp_launcher import plan as launcher_plan
 
 from vllm_dp_operator import constants
@@ -204,6 +204,8 @@ def build_command(
     if spec.served_model_name:
         cmd += ["--served-model-name", spec.served_model_name]
     cmd += ["--api-server-count", str(api_server_count(spec))]
+    # Kept-alive connections leave the head before its engines stop (drain_gate.py).
+    cmd += ["--middleware", drain_gate.MIDDLEWARE]
     if spec.lora is not None:
         cmd += lora_flags(spec.lora)
     return (*cmd, *spec.engine_args)

@@ -9,7 +9,10 @@ launcher asked for (reachable through the Service):
 - GET /v1/models, POST /v1/completions, POST /v1/chat/completions: canned OpenAI-shaped
   answers naming the served model;
 - GET /metrics: the double's own per-engine series (vLLM's names and labels, idle ranks);
-- GET /double/argv: the argv it was started with (what the e2e test asserts on).
+- GET /double/argv: the argv it was started with (what the e2e test asserts on);
+- POST /vllmdp/drain: the launcher's drain gate (vllm_dp_launcher/drain_gate.py): from then
+  on every answer carries `Connection: close`, and the call answers how long no client
+  request came.
 
 A model given as an absolute path that does not exist ends it at once with exit code 1, as
 `vllm serve` ends when it finds no model there: a generation that never serves.
@@ -146,6 +149,34 @@ class Connections:
 CONNS = Connections()
 
 
+class Drain:
+    """The launcher's drain gate (vllm_dp_launcher/drain_gate.py), as the double serves it:
+    once the operator has called POST /vllmdp/drain, every answer carries `Connection: close`,
+    and the call says how long no client request came."""
+
+    PROBES = ("/health", "/metrics", "/ping", "/load", "/version")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.since = None  # monotonic time of the last client request, once draining
+
+    def start(self):
+        with self.lock:
+            if self.since is None:
+                self.since = time.monotonic()
+            return max(0.0, time.monotonic() - self.since)
+
+    def request(self, path):
+        """Whether answers close their connection; a client request is marked."""
+        with self.lock:
+            if self.since is not None and path not in self.PROBES:
+                self.since = time.monotonic()
+            return self.since is not None
+
+
+DRAIN = Drain()
+
+
 class Server(http.server.ThreadingHTTPServer):
     request_queue_size = BACKLOG
 
@@ -167,6 +198,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return super().parse_request()
 
     def handle_one_request(self):
+        self.closing = False
         try:
             super().handle_one_request()
         finally:
@@ -174,8 +206,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def end_headers(self):
         self.send_header("X-Served-By", HOSTNAME)  # what the traffic client counts by
-        if CONNS.stopping:
+        if CONNS.stopping or getattr(self, "closing", False):
             self.send_header("Connection", "close")
+            self.close_connection = True
         super().end_headers()
 
     def _json(self, code, body):
@@ -187,6 +220,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):
+        self.closing = DRAIN.request(self.path)
         if self.path == "/health":
             self._json(200 if inner_healthy() else 503, {})
         elif self.path == "/v1/models":
@@ -211,6 +245,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._json(404, {"error": {"message": f"no route {self.path}"}})
 
     def do_POST(self):
+        if self.path == "/vllmdp/drain":
+            idle = DRAIN.start()
+            self.closing = True
+            self._json(200, {"draining": True, "idleSeconds": round(idle, 3)})
+            return
+        self.closing = DRAIN.request(self.path)
         length = int(self.headers.get("Content-Length") or 0)
         try:
             req = json.loads(self.rfile.read(length) or b"{}")

@@ -138,6 +138,9 @@ def test_command_owns_dp_flags_and_appends_engine_args() -> None:
         "qwen",
         "--api-server-count",
         "4",
+        # Kept-alive connections leave a head before its engines stop (drain_gate.py).
+        "--middleware",
+        "vllm_dp_launcher.drain_gate.DrainGate",
         "--max-model-len",
         "8192",
         "--enable-prefix-caching",

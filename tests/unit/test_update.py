@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from vllm_dp_operator.constants import DRAIN_QUIET_SECONDS
 from vllm_dp_operator.reconcile.update import (
     DRAINING,
     STARTING,
@@ -110,6 +111,30 @@ def test_drain_keeps_both_then_stops_the_old_head_job_then_deletes_the_old_clust
     assert [r for _, r, _ in done.events] == ["UpdateDone"]
     # Requests that never end: the drain time bounds it, then the stop.
     assert at(30, Draining(running=5, jobs_left=True)).stop == OLD.cluster
+
+
+def test_a_drain_waits_until_no_client_request_came_for_a_while() -> None:
+    """Kept-alive connections stay on the old head after the switch: its drain gate closes
+    each after its next answer, and says how long no client request came. No request running
+    is not enough while requests still come (a moment between two of them)."""
+    record = switched(step(want(plan="p2")).record or {}, T0)
+    new = Generation("demo-sp2", "aaaa1111", "p2@demo-sp2")
+    live = {OLD.cluster: OLD.shape, new.cluster: new.shape}
+
+    def at(seconds: int, old: Draining) -> Decision:
+        return decide(want(plan="p2"), new, live, record, None, T0 + timedelta(seconds=seconds),
+                      old_state=old)  # fmt: skip
+
+    between = at(5, Draining(running=0, jobs_left=True, idle=0.4))
+    assert between.stop is None
+    assert "the last request 0.4s ago" in (between.updated or ("", "", ""))[2]
+    quiet = at(8, Draining(running=0, jobs_left=True, idle=DRAIN_QUIET_SECONDS))
+    assert quiet.stop == OLD.cluster
+    assert "no request came for 3s" in (quiet.updated or ("", "", ""))[2]
+    # Quiet, but one still runs: it finishes first.
+    assert at(8, Draining(running=1, jobs_left=True, idle=10.0)).stop is None
+    # Clients that never stop sending on the old head: the drain time bounds it.
+    assert at(30, Draining(running=0, jobs_left=True, idle=0.1)).stop == OLD.cluster
 
 
 def test_deadline_deletes_the_new_generation_and_remembers_its_target() -> None:

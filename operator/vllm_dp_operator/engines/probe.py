@@ -9,6 +9,7 @@ from typing import Protocol
 
 from vllm_dp_launcher import servecheck
 
+from vllm_dp_operator import constants
 from vllm_dp_operator.engines.engine_metrics import (
     EngineLoad,
     ExpositionError,
@@ -40,12 +41,20 @@ class EngineReading:
 
     loads: dict[int, EngineLoad] | None
     detail: str
+    #: For a head that drains: seconds since its last client request, as its drain gate
+    #: says (engines/drain.py); None where it cannot say.
+    idle: float | None = None
 
     def in_flight(self) -> int | None:
         """Requests running or waiting on all its ranks; None when no rank reported."""
         if not self.loads:
             return None
         return sum(load.running + load.waiting for load in self.loads.values())
+
+    def quiet(self) -> bool:
+        """For a head that drains: no client request came for DRAIN_QUIET_SECONDS (a head
+        without the gate cannot say, and counts as quiet)."""
+        return self.idle is None or self.idle >= constants.DRAIN_QUIET_SECONDS
 
 
 class HealthProbe(Protocol):

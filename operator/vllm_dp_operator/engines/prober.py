@@ -15,7 +15,9 @@ operator's metrics, with no reconcile and no status write.
 
 Each resource has at most one target: the head job its last reconcile asked about; and while
 a Surge brings up a new generation, a second one, that generation's (the one asked a
-completion), so the old generation stays probed while it serves. A new head job starts from
+completion), so the old generation stays probed while it serves. A head that drains (a Surge's
+old generation, a leaving replica) is probed every DRAIN_PROBE_SECONDS at most, and is told
+first to close kept-alive connections (engines/drain.py). A new head job starts from
 nothing (never probed, so not routable), and a resource that no longer launches or serves is
 released; its second target once no update is starting.
 """
@@ -28,11 +30,12 @@ import heapq
 import logging
 import random
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from vllm_dp_operator.engines import lora
+from vllm_dp_operator import constants
+from vllm_dp_operator.engines import drain, lora
 from vllm_dp_operator.engines.launch_reports import Launch, LaunchReports
 from vllm_dp_operator.engines.load_summary import level_of
 from vllm_dp_operator.engines.lora import Adapter, LoraState
@@ -158,8 +161,8 @@ def _planned_only(reading: EngineReading, ranks: int) -> EngineReading:
         return reading
     kept = {r: load for r, load in reading.loads.items() if r < ranks}
     dropped = len(reading.loads) - len(kept)
-    return EngineReading(kept, f"{reading.detail} ({dropped} series of ranks at or above the "
-                         f"DP size {ranks} ignored)")  # fmt: skip
+    return replace(reading, loads=kept, detail=f"{reading.detail} ({dropped} series "
+                               f"of ranks at or above the DP size {ranks} ignored)")
 
 
 def _signature(entry: _Entry) -> tuple[Any, ...]:
@@ -170,9 +173,10 @@ def _signature(entry: _Entry) -> tuple[Any, ...]:
     adapters = None if entry.lora is None else (
         entry.lora.wanted, entry.lora.loaded, tuple(sorted(entry.lora.failed().items())),
         bool(entry.lora.detail))  # fmt: skip
+    quiet = None if reading is None or not entry.target.draining else reading.quiet()
     return (health is NOT_PROBED, health.ok, health.failures,
             None if loads is None else (len(loads), level_of(loads)), done,
-            adapters)  # fmt: skip
+            adapters, quiet)  # fmt: skip
 
 
 class ProbePool:
@@ -187,8 +191,8 @@ class ProbePool:
         transport: ServiceTransport | None = None, lora_retry_seconds: float = 300.0,
     ) -> None:  # fmt: skip
         self._probe, self._wake, self._on_loads = probe, wake, on_loads
-        #: Where adapter changes are sent (None: LoRA is never synced), and how long a failed
-        #: load waits before it is asked again.
+        #: Where adapter changes and drain calls are sent (None: LoRA is never synced and no
+        #: head is told to drain), and how long a failed load waits before it is asked again.
         self._transport, self._lora_retry = transport, lora_retry_seconds
         #: The launchers' reports; and whether engines are probed at all (healthProbe.mode
         #: off: never, and the reports alone tell of serving).
@@ -352,8 +356,14 @@ class ProbePool:
             if answer.ok:
                 if not entry.health.ok or self._metrics_due(entry):
                     entry.metrics_at = self._now()
+                    # A head that drains is told to close kept connections first, so the
+                    # requests this read counts are the last that came on them.
+                    idle = await drain.mark_draining(self._transport, t.namespace, t.service,
+                                                     t.port, t.token) \
+                        if t.draining and self._transport is not None else None  # fmt: skip
                     reading = await self._probe.engines(t.namespace, t.service, t.port,
                                                         t.ranks)  # fmt: skip
+                    reading = replace(reading, idle=idle)
                 if t.complete_model is not None and not (completion and completion.ok):
                     completion = await self._probe.complete(
                         t.namespace, t.service, t.port, t.complete_model, t.complete_keyed,
@@ -423,6 +433,8 @@ class ProbePool:
             if self._on_loads is not None and reading.loads is not None and kind == SERVE:
                 self._on_loads((*key, replica), reading.loads)
         period = self._serving if entry.served else self._launching
+        if kind == DRAIN:
+            period = min(period, constants.DRAIN_PROBE_SECONDS)
         self._schedule(slot, entry, 0.0 if entry.again else period * random.uniform(0.9, 1.1))
         entry.again = False
         signature = _signature(entry)

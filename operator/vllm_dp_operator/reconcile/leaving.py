@@ -37,9 +37,10 @@ def _live(objs: list[Obj]) -> list[Obj]:
     return [o for o in objs if not o["metadata"].get("deletionTimestamp")]
 
 
-def _running(probes: EngineProbes, target: Target) -> int | None:
+def _drain_reading(probes: EngineProbes, target: Target) -> tuple[int | None, float | None]:
+    """Its requests running or waiting, and seconds since its last client request."""
     reading = probes.reading(target)
-    return reading.in_flight() if reading is not None else None
+    return (None, None) if reading is None else (reading.in_flight(), reading.idle)
 
 
 async def leave(
@@ -82,9 +83,11 @@ async def leave(
     # Drained while its endpoint still says serving (kept-alive connections may still use it):
     # that is the routing decision, read back from the slice on each step.
     if router.serving and router.head_pod is not None:
-        target = served_target(res, spec, cluster or "", clusters, head_pod, draining=True)
-        over, why = drain_over(since, spec.update.drain_seconds,
-                                          _running(probes, target), now)  # fmt: skip
+        token = cfg.ray_tokens.of_cluster(ns, res.name, spec.ray.auth)
+        target = served_target(res, spec, cluster or "", clusters, head_pod, draining=True,
+                               token=token)  # fmt: skip
+        running, idle = _drain_reading(probes, target)
+        over, why = drain_over(since, spec.update.drain_seconds, running, now, idle)
     if not over:
         mst.recheck(spec.update.drain_seconds + 1)
         return _entry(res, mst, st, since, f"Leaving: {why}")

@@ -199,7 +199,7 @@ async def reconcile_replica(
     if res.status.get("update") != st.doc.get("update"):
         st.doc.update({k: res.status.get(k) for k in (
             "update", "servedJob", "headJob", "servedHeadPod", "rayCluster")})
-    old_state = await surge.drained_state(kube, res, spec, clusters, jobs, probes)
+    old_state = await surge.drained_state(kube, res, spec, clusters, jobs, probes, cfg)
     step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st, turn, old_state)
     if step.stop is not None:
         await surge.stop_drained(kube, res, spec, plan, step.stop, jobs, probes, ray_jobs, cfg,

@@ -276,11 +276,12 @@ async def recover_switch(kube: Kube, res: Resource, jobs: list[Obj], now: dateti
 
 async def drained_state(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, clusters: list[Obj],
-    jobs: list[Obj], probes: EngineProbes,
+    jobs: list[Obj], probes: EngineProbes, cfg: Config,
 ) -> Draining | None:  # fmt: skip
-    """While a Surge's old generation drains: its engines' requests, read by a probe target
-    of its own (so the first /metrics read comes after the switch), and whether a head job of
-    it still runs. None when no generation drains."""
+    """While a Surge's old generation drains: its engines' requests and its last client
+    request's age, read by a probe target of its own (so the first /metrics read comes after
+    the switch, and its head is told to close kept-alive connections: engines/drain.py), and
+    whether a head job of it still runs. None when no generation drains."""
     record = res.status.get("update") or {}
     if record.get("phase") != DRAINING:
         return None
@@ -291,9 +292,12 @@ async def drained_state(
     head = head_pod_of(await kube.list(POD, res.namespace, names.head_pod_selector(old)))
     if head is None:
         return Draining(0, True)  # nothing runs there to drain
+    token = cfg.ray_tokens.of_cluster(res.namespace, res.name, spec.ray.auth)
     reading = probes.reading(served_target(res, spec, old, clusters, head, draining=True,
-                                           job=left[-1]["metadata"]["name"]))  # fmt: skip
-    return Draining(reading.in_flight() if reading is not None else None, True)
+                                           job=left[-1]["metadata"]["name"], token=token))
+    if reading is None:
+        return Draining(None, True)
+    return Draining(reading.in_flight(), True, reading.idle)
 
 
 async def stop_drained(

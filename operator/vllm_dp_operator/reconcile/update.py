@@ -30,6 +30,7 @@ from enum import StrEnum
 from typing import Any
 
 from vllm_dp_operator.api.models import UpdateStrategy
+from vllm_dp_operator.constants import DRAIN_QUIET_SECONDS
 from vllm_dp_operator.reconcile.status import parse_rfc3339, rfc3339
 
 STARTING, DRAINING = "Starting", "Draining"
@@ -240,26 +241,34 @@ def switched(record: Mapping[str, Any], now: datetime) -> dict[str, Any]:
 
 
 def drain_over(since: str | None, drain_seconds: int, running: int | None,
-               now: datetime) -> tuple[bool, str]:  # fmt: skip
-    """Whether a drain is over: the engines report no request running or waiting (read after
-    they left the slice), or spec.update.drainSeconds passed since `since`; and why."""
+               now: datetime, idle: float | None = None) -> tuple[bool, str]:  # fmt: skip
+    """Whether a drain is over, and why: the engines report no request running or waiting
+    (read after they left the slice) and, where the head's drain gate says (`idle`: seconds
+    since its last client request), none came for DRAIN_QUIET_SECONDS, so its kept-alive
+    connections have left; or spec.update.drainSeconds passed since `since`."""
     start = parse_rfc3339(since) or now
-    if running == 0:
-        return True, "its engines report no request running or waiting"
+    quiet = idle is None or idle >= DRAIN_QUIET_SECONDS
+    if running == 0 and quiet:
+        return True, "its engines report no request running or waiting" + (
+            "" if idle is None else f", and no request came for {idle:.0f}s")
     if now >= start + timedelta(seconds=drain_seconds):
         return True, f"its drain of {drain_seconds}s (spec.update.drainSeconds) ended"
     detail = "running requests unknown" if running is None else f"{running} request(s) running"
+    if idle is not None:
+        detail += f", the last request {idle:.1f}s ago"
     return False, f"draining since {since} ({detail}; at most {drain_seconds}s)"
 
 
 @dataclass(frozen=True)
 class Draining:
     """A Surge's old generation after the switch: what its engines last reported running or
-    waiting in a /metrics read taken after it left the slice (None: no such read yet), and
-    whether a head job of it still runs."""
+    waiting in a /metrics read taken after it left the slice (None: no such read yet), whether
+    a head job of it still runs, and the seconds since its last client request (None: its
+    head cannot say)."""
 
     running: int | None = None
     jobs_left: bool = True
+    idle: float | None = None
 
 
 #: How soon a stopping head job is looked at again.
@@ -272,7 +281,7 @@ def _draining(
 ) -> Decision:  # fmt: skip
     old, new = record["from"], record["to"]
     over, why = drain_over(record.get("drainingSince"), want.drain_seconds, old_state.running,
-                           now)  # fmt: skip
+                           now, old_state.idle)  # fmt: skip
     if not old_state.jobs_left:
         # Drained and its head job stopped (or ended): nothing runs there to drain. The old
         # cluster goes, and the next reconcile
