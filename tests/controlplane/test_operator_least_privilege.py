@@ -198,16 +198,28 @@ def test_the_tenancy_policy_refuses_each_ask_beyond_a_tenants_own_naming_the_fie
     """A tenant with only `create` on vllmdataparallels, under the chart's tenancy policy
     with its defaults: an image outside the allow-list, a Secret other than its refs, a
     system priority class and a NodePort Service are each refused at admission, naming the
-    field; a resource within them is accepted (issue 39)."""
+    field; a resource within them is accepted (issue 39). A resource admitted before the
+    policy keeps its metadata writable (a finalizer's removal), not its spec."""
     install_crd(testbed)
     ns = testbed_namespace
-    rendered = chartlib.render((), ("tenancy.enabled=true",), "vdp-ten", ns)
+    rendered = chartlib.render((), (), "vdp-ten", ns)  # the chart's defaults: on
     policy = [o for o in rendered if o.get("kind") in chartlib.FENCE_KINDS
               and o["metadata"]["name"].endswith("-tenancy")]  # fmt: skip
     for obj in policy:  # on the shared bed, this test's namespace only
         if obj["kind"] == "ValidatingAdmissionPolicyBinding":
             obj["spec"]["matchResources"] = {"namespaceSelector": {"matchLabels": {
                 "kubernetes.io/metadata.name": ns}}}
+
+    def doc(**spec: Any) -> dict[str, Any]:
+        base = {"model": "m", "dataParallel": {"size": 2, "ranksPerNode": 2},
+                "apiKeySecretRef": {"name": "mine", "key": "k"}}
+        return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
+                "metadata": {"name": "t", "namespace": ns}, "spec": {**base, **spec}}
+
+    # Admitted before the policy, with an image it does not allow, and a finalizer.
+    before = doc(image="elsewhere/other:1", suspend=True)
+    before["metadata"].update(name="before", finalizers=["vllmdp.io/test"])
+    testbed.kubectl("create", "-f", "-", input=yaml.safe_dump(before))
     testbed.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(policy))
     tenant = f"system:serviceaccount:{ns}:tenant"
     testbed.kubectl("-n", ns, "create", "serviceaccount", "tenant")
@@ -215,12 +227,6 @@ def test_the_tenancy_policy_refuses_each_ask_beyond_a_tenants_own_naming_the_fie
                     "--resource=vllmdataparallels.vllmdp.io")
     testbed.kubectl("-n", ns, "create", "rolebinding", "vdp-creator", "--role=vdp-creator",
                     f"--serviceaccount={ns}:tenant")
-
-    def doc(**spec: Any) -> dict[str, Any]:
-        base = {"model": "m", "dataParallel": {"size": 2, "ranksPerNode": 2},
-                "apiKeySecretRef": {"name": "mine", "key": "k"}}
-        return {"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel",
-                "metadata": {"name": "t", "namespace": ns}, "spec": {**base, **spec}}
 
     def create(body: dict[str, Any]) -> subprocess.CompletedProcess[str]:
         return testbed.kubectl("create", "--dry-run=server", f"--as={tenant}", "-f", "-",
@@ -244,6 +250,12 @@ def test_the_tenancy_policy_refuses_each_ask_beyond_a_tenants_own_naming_the_fie
         ok = create(doc(env=[{"name": "KEY", "valueFrom": {"secretKeyRef": {
             "name": "mine", "key": "k"}}}]))
         assert ok.returncode == 0, ok.stderr
+        # The resource from before: its spec is judged when written, its metadata is not.
+        spec = testbed.kubectl("-n", ns, "patch", "vdp", "before", "--type=merge", "-p",
+                               '{"spec":{"suspend":false}}', check=False)  # fmt: skip
+        assert spec.returncode != 0 and "spec.image" in spec.stderr, spec.stderr
+        testbed.kubectl("-n", ns, "patch", "vdp", "before", "--type=json", "-p",
+                        '[{"op":"remove","path":"/metadata/finalizers"}]')
     finally:
         testbed.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
                         input=yaml.safe_dump_all(policy))

@@ -65,7 +65,10 @@ CPU_EXAMPLE = REPO / "examples" / "dev-cpu.yaml"
 # The chart's values for a cluster whose images are local (never pulled) and whose two nodes
 # have 2 CPUs each: the operator asks for no CPU (the Ray head takes all of one node).
 LOCAL_VALUES = ("image.pullPolicy=Never", "resources.requests.cpu=0",
-                "healthProbe.mode=service-dns")  # fmt: skip
+                "healthProbe.mode=service-dns",
+                # The tenancy policy admits the engine images built here (the CPU example's
+                # and the double's) besides the chart's engineImage.
+                "tenancy.allowedImages={vllm-dp-engine,vllm-dp-engine-cpu,vllm-dp-engine-double}")
 
 
 @dataclass

@@ -40,12 +40,14 @@ NAMESPACE = "vllm-dp-system"
 # the bed's nodes have 2 CPUs each, and the Ray head of a DP=2 resource with one API server
 # asks for all of one node (1 CPU + 1 per API server), so the chart's 100m request would keep
 # that head Pending whenever the scheduler put the operator on the node the worker did not
-# take. Everything else is the chart's.
+# take. The tenancy policy admits the bed's own engine images. Everything else is the chart's.
 VALUES = (f"image.repository={IMAGE}", f"image.tag={images.TAG}", "image.pullPolicy=Never",
           "healthProbe.mode=service-dns", "healthProbe.launchingSeconds=2",
           "healthProbe.servingSeconds=5", "healthProbe.metricsSeconds=5",
           "backoff.baseSeconds=5", "backoff.capSeconds=60",
-          "stopConfirmSeconds=30", "resources.requests.cpu=0")  # fmt: skip
+          "stopConfirmSeconds=30", "resources.requests.cpu=0",
+          # The chart's tenancy policy allows the engine images the bed builds.
+          "tenancy.allowedImages={vllm-dp-engine-cpu,vllm-dp-engine-double}")  # fmt: skip
 
 
 def helm_binary() -> str:
