@@ -60,6 +60,16 @@ def _metrics_auth(raw: str | None) -> str:
     return value
 
 
+def _tls_pair() -> tuple[str, str]:
+    """The metrics certificate and key files: both or neither."""
+    cert = (os.environ.get("VLLMDP_METRICS_TLS_CERT_FILE") or "").strip()
+    key = (os.environ.get("VLLMDP_METRICS_TLS_KEY_FILE") or "").strip()
+    if bool(cert) != bool(key):
+        raise ValueError("VLLMDP_METRICS_TLS_CERT_FILE and VLLMDP_METRICS_TLS_KEY_FILE: set both "
+                         "(HTTPS) or neither (HTTP)")  # fmt: skip
+    return cert, key
+
+
 def _env_bool(name: str, default: bool) -> bool:
     raw = (os.environ.get(name) or "").strip().lower()
     if not raw:
@@ -291,6 +301,10 @@ class Config:
     #: VLLMDP_METRICS_AUDIENCES: comma-separated audiences a scraper's token must be issued
     #: for (TokenReview's spec.audiences); empty: the API server's own.
     metrics_audiences: tuple[str, ...] = ()
+    #: VLLMDP_METRICS_TLS_CERT_FILE, VLLMDP_METRICS_TLS_KEY_FILE: the metrics server's
+    #: certificate and key (PEM); both set serves HTTPS, neither plain HTTP.
+    metrics_tls_cert_file: str = ""
+    metrics_tls_key_file: str = ""
     #: VLLMDP_ENGINE_METRICS_MAX_BYTES: most bytes of vLLM's /metrics read per probe while
     #: Serving (status.load, the vllmdp_engine_* gauges); the rest of a longer answer is not read.
     engine_metrics_max_bytes: int = 4 * 1024 * 1024
@@ -341,6 +355,8 @@ class Config:
             metrics_host=os.environ.get("VLLMDP_METRICS_HOST") or "0.0.0.0",
             metrics_auth=_metrics_auth(os.environ.get("VLLMDP_METRICS_AUTH")),
             metrics_audiences=_csv(os.environ.get("VLLMDP_METRICS_AUDIENCES")),
+            metrics_tls_cert_file=_tls_pair()[0],
+            metrics_tls_key_file=_tls_pair()[1],
             engine_metrics_max_bytes=_env_int("VLLMDP_ENGINE_METRICS_MAX_BYTES", 4 * 1024 * 1024),
             election=LeaderElection.from_env(),
             readiness_port=_env_int("VLLMDP_READINESS_PORT", 8082),

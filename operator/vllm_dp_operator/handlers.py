@@ -12,6 +12,7 @@ writes. The reconcile runs in the controller's workers (`controller/manager.py`)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -35,6 +36,7 @@ from vllm_dp_operator.engines.ray_dashboard import DashboardJobs
 from vllm_dp_operator.engines.transport import make_transport
 from vllm_dp_operator.observability.metrics_auth import ApiClientReviews, MetricsAuth
 from vllm_dp_operator.observability.metrics_http import serve_metrics
+from vllm_dp_operator.observability.metrics_tls import ServingCert
 from vllm_dp_operator.observability.readiness_http import serve_readiness
 
 CONFIG = Config.from_env()
@@ -139,15 +141,19 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
                  election.lease_name, IDENTITY)  # fmt: skip
         memo.election = ElectionThread(elector, close=leases.close)
         memo.election.start(on_started=lambda: _lead(memo), on_stopped=_lost_lease)
-    memo.metrics_server = None
+    memo.metrics_server = memo.cert_reload = None
     if CONFIG.metrics_port:
         # Reviews go straight to the API (not through the write gate): they store nothing,
         # and a standby's /metrics is as protected as the leader's.
         auth = (MetricsAuth(ApiClientReviews(kube.api), audiences=CONFIG.metrics_audiences)
                 if CONFIG.metrics_auth == "kubernetes" else None)  # fmt: skip
+        cert = None
+        if CONFIG.metrics_tls_cert_file:
+            cert = ServingCert(CONFIG.metrics_tls_cert_file, CONFIG.metrics_tls_key_file)
+            memo.cert_reload = asyncio.create_task(cert.keep_fresh(), name="metrics-cert")
         memo.metrics_server = await serve_metrics(
             controller.metrics.registry, CONFIG.metrics_host, CONFIG.metrics_port, auth,
-            counters=controller.counters,
+            counters=controller.counters, tls=cert.context if cert else None,
         )
     memo.readiness_server = None
     if CONFIG.readiness_port:
@@ -162,6 +168,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     """Stop the controller, release the Lease, then close the HTTP sessions and the client."""
+    if memo.cert_reload is not None:
+        memo.cert_reload.cancel()
     for server in (memo.metrics_server, memo.readiness_server):
         if server is not None:
             await server.cleanup()

@@ -4,7 +4,10 @@ the labels the operator's renderer really puts there), and the Grafana dashboard
 
 from __future__ import annotations
 
+import base64
 import json
+import ssl
+from pathlib import Path
 from typing import Any
 
 import chartlib
@@ -69,9 +72,55 @@ def test_operator_service_monitor_reaches_the_metrics_port(helm_bin: str) -> Non
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [chartlib.DEFAULT_NAMESPACE]}
+    full = svc["metadata"]["name"].removesuffix("-metrics")
     assert monitor["spec"]["endpoints"] == [{
-        "port": "metrics", "path": "/metrics", "interval": "15s",
+        "port": "metrics", "path": "/metrics", "interval": "15s", "scheme": "https",
+        "tlsConfig": {"serverName": f"{full}-metrics.{chartlib.DEFAULT_NAMESPACE}.svc",
+                      "ca": {"secret": {"name": f"{full}-metrics-tls", "key": "ca.crt"}}},
         "bearerTokenFile": "/var/run/secrets/kubernetes.io/serviceaccount/token"}]  # fmt: skip
+
+
+def test_metrics_are_served_over_tls_with_a_certificate_the_chart_makes(
+    helm_bin: str, tmp_path: Path
+) -> None:
+    """The default: the chart's own certificate for the metrics Service, mounted, its key
+    matching; a Secret of the user's instead when named; plain HTTP only when asked."""
+    objects = chartlib.render()
+    (secret,) = [s for s in chartlib.by_kind(objects, "Secret")
+                 if s["metadata"]["name"].endswith("-metrics-tls")]  # fmt: skip
+    assert secret["type"] == "kubernetes.io/tls"
+    assert secret["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    pem = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    assert set(pem) == {"tls.crt", "tls.key", "ca.crt"}
+    for name, data in pem.items():
+        (tmp_path / name).write_bytes(data)
+    # The key is the certificate's, and the certificate chains to the CA the monitor checks.
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+        tmp_path / "tls.crt", tmp_path / "tls.key")
+    ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+    container = _container(objects)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["VLLMDP_METRICS_TLS_CERT_FILE"] == "/etc/vllm-dp-operator/metrics-tls/tls.crt"
+    assert env["VLLMDP_METRICS_TLS_KEY_FILE"] == "/etc/vllm-dp-operator/metrics-tls/tls.key"
+    volumes = _one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    (tls,) = [v for v in volumes if v["name"] == "metrics-tls"]
+    assert tls["secret"]["secretName"] == secret["metadata"]["name"]
+    # A certificate of the user's (cert-manager's): no Secret of the chart's, theirs mounted.
+    theirs = chartlib.render((MONITORING,), ("metrics.tls.existingSecret=metrics-cert",))
+    assert not [s for s in chartlib.by_kind(theirs, "Secret")
+                if s["metadata"]["name"].endswith("-metrics-tls")]  # fmt: skip
+    volumes = _one(theirs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert [v["secret"]["secretName"] for v in volumes if v["name"] == "metrics-tls"] == [
+        "metrics-cert"]
+    endpoint = _one(theirs, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "metrics-cert", "key": "ca.crt"}
+    # Plain HTTP, asked for.
+    plain = chartlib.render((MONITORING,), ("metrics.tls.enabled=false",))
+    env = {e["name"] for e in _container(plain)["env"]}
+    assert not {"VLLMDP_METRICS_TLS_CERT_FILE", "VLLMDP_METRICS_TLS_KEY_FILE"} & env
+    assert "scheme" not in _one(plain, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert not [s for s in chartlib.by_kind(plain, "Secret")
+                if s["metadata"]["name"].endswith("-metrics-tls")]  # fmt: skip
 
 
 def test_the_secure_metrics_rbac_reviews_tokens_and_offers_a_reader_role(helm_bin: str) -> None:

@@ -8,10 +8,12 @@ what is checked is what the API server admits and stores. The kind tier runs the
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import shlex
 import socket
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -202,6 +204,14 @@ def test_helm_install_then_example_reaches_the_integration_state(
     assert secret is not None and secret["data"]["key"], "the chart made no Ray auth key"
     key_file = tmp_path / "ray-auth-key"
     key_file.write_bytes(base64.b64decode(secret["data"]["key"]))
+    # The metrics certificate the chart made (metrics.tls), where the pod would mount it.
+    tls = _get(testbed, "secret", f"{full}-metrics-tls", "-n", ns)
+    assert tls is not None and tls["type"] == "kubernetes.io/tls", "the chart made no certificate"
+    for item in ("tls.crt", "tls.key", "ca.crt"):
+        (tmp_path / item).write_bytes(base64.b64decode(tls["data"][item]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         ready_port = s.getsockname()[1]
@@ -211,7 +221,10 @@ def test_helm_install_then_example_reaches_the_integration_state(
            # What the downward API gives the pod: the Lease is in the release namespace.
            "POD_NAME": f"{full}-test", "POD_NAMESPACE": ns,
            "VLLMDP_READINESS_HOST": "127.0.0.1", "VLLMDP_READINESS_PORT": str(ready_port),
-           "VLLMDP_RAY_AUTH_KEY_FILE": str(key_file)}
+           "VLLMDP_RAY_AUTH_KEY_FILE": str(key_file),
+           "VLLMDP_METRICS_HOST": "127.0.0.1", "VLLMDP_METRICS_PORT": str(metrics_port),
+           "VLLMDP_METRICS_TLS_CERT_FILE": str(tmp_path / "tls.crt"),
+           "VLLMDP_METRICS_TLS_KEY_FILE": str(tmp_path / "tls.key")}
     # Everything as the Deployment says, but the liveness and readiness ports, which a test
     # must not bind as they are.
     args = [a for a in container["args"] if not a.startswith("--liveness")]
@@ -227,6 +240,10 @@ def test_helm_install_then_example_reaches_the_integration_state(
         # Ready with the chart's RBAC: caches synced, and the Lease taken in the release namespace.
         with urllib.request.urlopen(f"http://127.0.0.1:{ready_port}/readyz", timeout=5) as r:
             assert r.status == 200, r.read()
+        # /metrics over TLS with the chart's certificate, for the metrics Service's name and
+        # checked against the chart's CA (what its ServiceMonitor does); no token: 401.
+        assert _metrics_status(metrics_port, tmp_path / "ca.crt",
+                               f"{full}-metrics.{ns}.svc") == 401
         lease = _get(testbed, "lease", full, "-n", ns)
         assert lease is not None and lease["spec"]["holderIdentity"].startswith(f"{full}-test_")
         assert _get(testbed, "raycluster", st["rayCluster"], "-n", ns) is not None
@@ -239,6 +256,20 @@ def test_helm_install_then_example_reaches_the_integration_state(
         log.close()
     text = (tmp_path / "operator.log").read_text(errors="replace")
     assert "forbidden" not in text.lower(), text[-3000:]
+
+
+def _metrics_status(port: int, ca: Path, host: str) -> int:
+    """The status of GET /metrics on 127.0.0.1:port over TLS, the certificate checked for
+    `host` against `ca`."""
+    context = ssl.create_default_context(cafile=str(ca))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+    conn.sock = context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                                    server_hostname=host)  # fmt: skip
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().status
+    finally:
+        conn.close()
 
 
 def _readme_helm_install() -> list[str]:

@@ -13,8 +13,10 @@ from the API server.
 from __future__ import annotations
 
 import json
+import ssl
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +46,10 @@ pytestmark = pytest.mark.controlplane
 
 RANKS = 4  # examples/dp4-tp2.yaml
 NAME = "observed"
+#: The metrics server's certificate (for metrics.test and 127.0.0.1) and its CA: TLS, as the
+#: chart serves it by default.
+TLS = Path(__file__).resolve().parents[1] / "unit" / "data" / "metrics-tls"
+TLS_NAME = "metrics.test"
 
 
 def phase_events(testbed: Any, ns: str, name: str) -> list[str]:
@@ -60,9 +66,10 @@ def scrape(operator: OperatorProcess, token: str | None) -> tuple[int, str]:
     """GET the operator's /metrics with a bearer token (or none): the status and the body."""
     port = operator.metrics_port  # type: ignore[attr-defined]
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    request = urllib.request.Request(f"https://127.0.0.1:{port}/metrics", headers=headers)
+    tls = ssl.create_default_context(cafile=str(TLS / "ca.crt"))  # its SAN has 127.0.0.1
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=5, context=tls) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -115,13 +122,16 @@ class Scraper:
 @pytest.fixture
 def operator(testbed: Any, ns: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     """An operator watching only this test's namespace, its /metrics on a loopback port,
-    behind the secure metrics server (the chart's default) with a scraper allowed in."""
+    behind the secure metrics server over TLS (the chart's default) with a scraper allowed
+    in."""
     install_crd(testbed)
     scraper = Scraper(testbed, ns, tmp_path)
     metrics_port = free_port()
     proc = OperatorProcess(testbed.env(), tmp_path / "operator.log", extra_env={
         "VLLMDP_METRICS_PORT": str(metrics_port), "VLLMDP_METRICS_HOST": "127.0.0.1",
-        "VLLMDP_METRICS_AUTH": "kubernetes"})
+        "VLLMDP_METRICS_AUTH": "kubernetes",
+        "VLLMDP_METRICS_TLS_CERT_FILE": str(TLS / "first.crt"),
+        "VLLMDP_METRICS_TLS_KEY_FILE": str(TLS / "first.key")})
     proc.namespace = ns
     proc.metrics_port = metrics_port  # type: ignore[attr-defined]
     proc.scraper = scraper  # type: ignore[attr-defined]
@@ -134,10 +144,13 @@ def operator(testbed: Any, ns: str, tmp_path: Path) -> Iterator[OperatorProcess]
 
 
 def _operator_job(operator: OperatorProcess) -> dict[str, Any]:
-    """Scraping the operator as the chart's ServiceMonitor does: with a bearer token."""
+    """Scraping the operator as the chart's ServiceMonitor does: over TLS, checked against
+    the CA for the Service's name, with a bearer token."""
     port = operator.metrics_port  # type: ignore[attr-defined]
     token_file = operator.scraper.token_file  # type: ignore[attr-defined]
     return {"job_name": "vllm-dp-operator", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+            "scheme": "https",
+            "tls_config": {"ca_file": str(TLS / "ca.crt"), "server_name": TLS_NAME},
             "authorization": {"type": "Bearer", "credentials_file": str(token_file)}}
 
 
@@ -326,3 +339,7 @@ def test_operator_metrics_need_a_token_whose_user_may_get_them(
     assert code == 403 and "vllmdp_" not in body, (code, body)
     code, body = scrape(operator, scraper.token)
     assert code == 200 and "vllmdp_reconcile_total" in body, (code, body[:300])
+    # Nothing in clear: the port speaks TLS only, so no token or metric crosses unencrypted.
+    port = operator.metrics_port  # type: ignore[attr-defined]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)

@@ -166,3 +166,15 @@ The Secret holding the operator's Ray auth key: rayAuth.existingKeySecret, or th
 {{- define "vllm-dp-operator.rayAuthKeySecret" -}}
 {{- .Values.rayAuth.existingKeySecret | default (printf "%s-ray-auth-key" (include "vllm-dp-operator.fullname" .)) -}}
 {{- end }}
+
+{{/*
+The metrics server's TLS Secret (tls.crt, tls.key, ca.crt): metrics.tls.existingSecret, or
+the chart's own; and the metrics Service's in-cluster name its certificate is for.
+*/}}
+{{- define "vllm-dp-operator.metricsTlsSecret" -}}
+{{- .Values.metrics.tls.existingSecret | default (printf "%s-metrics-tls" (include "vllm-dp-operator.fullname" .)) -}}
+{{- end }}
+
+{{- define "vllm-dp-operator.metricsHost" -}}
+{{- printf "%s-metrics.%s.svc" (include "vllm-dp-operator.fullname" .) .Release.Namespace -}}
+{{- end }}

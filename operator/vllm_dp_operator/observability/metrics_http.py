@@ -12,6 +12,7 @@ unauthenticated liveness probe (/healthz), which says only whether the controlle
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -64,12 +65,14 @@ def metrics_app(
 
 async def serve_metrics(
     registry: CollectorRegistry, host: str, port: int, auth: MetricsAuth | None = None,
-    counters: Callable[[], dict[str, Any]] | None = None,
+    counters: Callable[[], dict[str, Any]] | None = None, tls: ssl.SSLContext | None = None,
 ) -> web.AppRunner:
-    """Start serving; the caller stops it with `await runner.cleanup()`."""
+    """Start serving (over TLS with `tls`); the caller stops it with `await
+    runner.cleanup()`."""
     runner = web.AppRunner(metrics_app(registry, auth, counters), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("Serving operator metrics on http://%s:%d/metrics (%s)", host, port,
+    await web.TCPSite(runner, host, port, ssl_context=tls).start()
+    log.info("Serving operator metrics on %s://%s:%d/metrics (%s)", "https" if tls else "http",
+             host, port,
              "bearer token, TokenReview and SubjectAccessReview" if auth else "no auth")
     return runner
