@@ -66,8 +66,10 @@ async def test_surge_end_to_end_switches_only_once_the_new_generation_serves() -
 
     w.probe.completes = True
     out = await w.step(5)
-    # The switch's own status write wakes nothing: the reconcile asks for the drain's end.
-    assert out.retry_after is not None and out.retry_after <= 30 + 1
+    # The switch's own status write wakes nothing: the reconcile asks for its own wake.
+    # Soon, when the old head's drain probe starts (its first call tells it to close kept
+    # connections), not at the drain's end.
+    assert out.retry_after is not None and out.retry_after <= c.DRAIN_PROBE_SECONDS
     assert routed_to(w) == new
     assert w.status["update"]["phase"] == "Draining"
     assert w.status["servedJob"] == "demo-j00002" and w.status["rayCluster"] == new

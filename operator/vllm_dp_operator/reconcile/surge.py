@@ -184,9 +184,9 @@ async def switch(
     st: StatusDoc, router: Router, record: dict[str, Any], model: str, dp: int,
     drain_seconds: int,
 ) -> None:  # fmt: skip
-    """Route to the new generation's head and start the old one's drain. The drain's end is
-    a time-based step: this reconcile asks for the wake (the status write that records the
-    switch is the operator's own, and wakes nothing)."""
+    """Route to the new generation's head and start the old one's drain. This reconcile asks
+    for the next wake (the status write that records the switch is the operator's own, and
+    wakes nothing)."""
     await router.route(True)
     new, old = record["to"], record["from"]
     st.doc["update"] = switched(record, st.now)
@@ -202,7 +202,10 @@ async def switch(
     message = f"Serving {model} with DP={dp} from RayCluster {new}; {old} drains"
     st.cond(c.COND_READY, True, c.REASON_HEALTHY, message)
     st.phase(c.PHASE_SERVING, message)
-    st.recheck(drain_seconds + 1)  # +1: timestamps are whole seconds
+    # Soon, not at the drain's end: the next reconcile registers the old head's probe of its
+    # own, whose first call tells it to close kept-alive connections (engines/drain.py), and
+    # from then on the probe pool wakes the resource as the old head drains.
+    st.recheck(min(drain_seconds + 1, c.DRAIN_PROBE_SECONDS))
 
 
 def overlay_starting(st: StatusDoc, record: dict[str, Any], served_job: str | None,
