@@ -767,8 +767,11 @@ def test_head_pod_deleted_unroutes_and_serves_again_with_its_adapters(
 def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     """Issue 17's scenario D: an engine change under `Surge` on real vLLM CPU engines. A
     second DP=2 generation comes up beside the one that serves (the bed has a third node for
-    its head), the Service moves once it answers, and a client in a pod that kept calling the
-    Service the whole time counts no failure."""
+    its head), the Service moves once it answers, and two clients in pods that kept calling
+    the Service the whole time count no failure: one on a new connection per request, one on
+    kept-alive connections (issue 38), which stay on the old head through the switch until its
+    drain gate answers each with `Connection: close`; its engines stop only after no request
+    came there for a while."""
     nodes = len(vdp.cluster.node_names)
     assert nodes >= 3, (f"a Surge of examples/dev-cpu.yaml needs 3 nodes (its head takes a "
                         f"node's 2 CPUs); this bed has {nodes}: `make cluster-up NODES=3`")
@@ -784,7 +787,9 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     # It asks 10 a second: the client pod asks no CPU (the nodes are the Ray pods'), and
     # while a second generation boots on 2 cores it sends fewer than it asks.
     with Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="traffic-d", rate=10,
-                 api_key_secret=("api-key", "key")) as t:  # fmt: skip
+                 api_key_secret=("api-key", "key")) as t, \
+            Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="kept-d", rate=10,
+                    api_key_secret=("api-key", "key"), keep_alive=True) as kept:  # fmt: skip
         applied = time.time()
         vdp.cluster.apply(doc)
         new = vdp.wait_update_started(120)
@@ -796,12 +801,15 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
                  180)  # fmt: skip
         vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
         time.sleep(5)  # the new generation alone, with traffic flowing
-    res = t.result
-    FAULTS["D Surge to --max-model-len=192"] = (f"{t.summary()}; apply to switch "
-                                                f"{switched - applied:.0f}s; {old} -> {new}")
-    why = (f"{t.summary()}\nfirst failures: {json.dumps(res['failures'][:15], indent=1)}\n"
-           f"--- traffic client log\n{t.logs()}\n{vdp.diagnostics()}")  # fmt: skip
-    assert res["failed"] == 0 and res["rate"] >= 5, why
+    FAULTS["D Surge to --max-model-len=192"] = (f"{t.summary()}; kept-alive: {kept.summary()}; "
+                                                f"apply to switch {switched - applied:.0f}s; "
+                                                f"{old} -> {new}")  # fmt: skip
+    for client in (t, kept):
+        res = client.result
+        why = (f"{client.name}: {client.summary()}\nfirst failures: "
+               f"{json.dumps(res['failures'][:15], indent=1)}\n--- traffic client log\n"
+               f"{client.logs()}\n{vdp.diagnostics()}")  # fmt: skip
+        assert res["failed"] == 0 and res["rate"] >= 5, why
     st = vdp.status()
     assert (st["phase"], st["rayCluster"]) == ("Serving", new) and st["headJob"] != job, st
     # The engines want a key, which the operator never holds: the switch waited for the
