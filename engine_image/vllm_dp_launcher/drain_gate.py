@@ -19,19 +19,13 @@ and the drain call itself are not client requests.
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
+from vllm_dp_launcher.asgi import App, Message, Receive, Scope, Send, carries_token, normal_path
 
 #: What vllm serve is given.
 MIDDLEWARE = "vllm_dp_launcher.drain_gate.DrainGate"
@@ -40,14 +34,8 @@ PATH = "/vllmdp/drain"
 #: Where the mark is (every API server process of the head sees the same file).
 FLAG_ENV = "VLLMDP_DRAIN_FLAG"
 DEFAULT_FLAG = "/tmp/vllmdp-draining"
-#: The header the operator sends its Ray token in (vllm_dp_operator.constants.RAY_AUTH_HEADER).
-TOKEN_HEADER = b"x-ray-authorization"
 #: Not a client's request: they neither keep a drain going nor are told to close.
 PROBES = ("/health", "/metrics", "/ping", "/load", "/version")
-
-
-def _normal(path: str) -> str:
-    return "/" + path.lstrip("/").rstrip("/")
 
 
 class DrainGate:
@@ -63,7 +51,7 @@ class DrainGate:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        path = _normal(str(scope.get("path", "")))
+        path = normal_path(str(scope.get("path", "")))
         if path == PATH:
             await self._drain_call(scope, send)
             return
@@ -78,8 +66,8 @@ class DrainGate:
         if scope.get("method") != "POST":
             await _answer(send, 405, {"error": "POST only"})
             return
-        given = b"".join(v for k, v in scope.get("headers") or [] if k.lower() == TOKEN_HEADER)
-        if self._token and not hmac.compare_digest(given, f"Bearer {self._token}".encode()):
+        # With Ray auth off (no token in the pod) the call is open: it only closes connections.
+        if self._token and not carries_token(scope.get("headers") or [], self._token):
             await _answer(send, 403, {"error": "the drain is the vllm-dp-operator's call"})
             return
         if not self._flag.exists():

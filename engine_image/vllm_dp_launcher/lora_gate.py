@@ -12,24 +12,16 @@ vLLM wants where there is one: the operator holds no API key.
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
+from vllm_dp_launcher.asgi import TOKEN_HEADER, App, Receive, Scope, Send, carries_token
+from vllm_dp_launcher.asgi import normal_path as _normal
 
 #: What vllm serve is given: the middleware's import path, and the variable that turns vLLM's
 #: runtime LoRA endpoints on.
 MIDDLEWARE = "vllm_dp_launcher.lora_gate.LoraGate"
 RUNTIME_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-#: The header the operator sends its Ray token in (vllm_dp_operator.constants.RAY_AUTH_HEADER).
-TOKEN_HEADER = b"x-ray-authorization"
 GATED = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 GATED_PREFIX = "/adapters"
 
@@ -37,10 +29,6 @@ GATED_PREFIX = "/adapters"
 #: The model list the operator reads the loaded adapters from; with the token, it gets the API
 #: key too.
 LISTED = "/v1/models"
-
-
-def _normal(path: str) -> str:
-    return "/" + path.lstrip("/").rstrip("/")
 
 
 def gated(path: str) -> bool:
@@ -63,9 +51,7 @@ class LoraGate:
             await self.app(scope, receive, send)
             return
         headers = list(scope.get("headers") or [])
-        given = b"".join(v for k, v in headers if k.lower() == TOKEN_HEADER)
-        want = f"Bearer {self._token}".encode()
-        if not self._token or not hmac.compare_digest(given, want):
+        if not carries_token(headers, self._token):
             if gated(path):
                 await _refuse(send)
             else:  # a client's own model list: as vLLM answers it

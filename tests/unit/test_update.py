@@ -87,14 +87,21 @@ def test_new_generation_serving_switches_to_draining() -> None:
     assert drained["drainingSince"] == "2026-01-01T00:01:00Z"
 
 
+#: A Surge to plan p2 that switched at T0: its new generation, and its record.
+SWITCHED_TO = Generation("demo-sp2", "aaaa1111", "p2@demo-sp2")
+
+
+def draining_at(seconds: int, old: Draining) -> Decision:
+    """The decision `seconds` after the switch to SWITCHED_TO, the old generation as `old`."""
+    record = switched(step(want(plan="p2")).record or {}, T0)
+    live = {OLD.cluster: OLD.shape, SWITCHED_TO.cluster: SWITCHED_TO.shape}
+    return decide(want(plan="p2"), SWITCHED_TO, live, record, None,
+                  T0 + timedelta(seconds=seconds), old_state=old)  # fmt: skip
+
+
 def test_drain_keeps_both_then_stops_the_old_head_job_then_deletes_the_old_cluster() -> None:
     record = switched(step(want(plan="p2")).record or {}, T0)
-    new = Generation("demo-sp2", "aaaa1111", "p2@demo-sp2")
-    live = {OLD.cluster: OLD.shape, new.cluster: new.shape}
-
-    def at(seconds: int, old: Draining) -> Decision:
-        return decide(want(plan="p2"), new, live, record, None, T0 + timedelta(seconds=seconds),
-                      old_state=old)  # fmt: skip
+    new, at = SWITCHED_TO, draining_at
 
     during = at(10, Draining(running=3, jobs_left=True))
     assert during.mode is Mode.CONVERGE and during.cluster == new.cluster
@@ -117,13 +124,7 @@ def test_a_drain_waits_until_no_client_request_came_for_a_while() -> None:
     """Kept-alive connections stay on the old head after the switch: its drain gate closes
     each after its next answer, and says how long no client request came. No request running
     is not enough while requests still come (a moment between two of them)."""
-    record = switched(step(want(plan="p2")).record or {}, T0)
-    new = Generation("demo-sp2", "aaaa1111", "p2@demo-sp2")
-    live = {OLD.cluster: OLD.shape, new.cluster: new.shape}
-
-    def at(seconds: int, old: Draining) -> Decision:
-        return decide(want(plan="p2"), new, live, record, None, T0 + timedelta(seconds=seconds),
-                      old_state=old)  # fmt: skip
+    at = draining_at
 
     between = at(5, Draining(running=0, jobs_left=True, idle=0.4))
     assert between.stop is None
