@@ -320,6 +320,8 @@ class Config:
     #: a Secret of the release namespace). Each resource's Ray token is derived from it, so
     #: every replica and every restart computes the same tokens without reading a Secret.
     #: Unset: a random key for this process only (a lone process for development).
+    #: VLLMDP_RAY_AUTH_PREVIOUS_KEY_FILE: the key before a rotation, while clusters made with
+    #: it still run; a missing file means none.
     ray_tokens: RayTokens = field(default_factory=RayTokens.random)
 
     @classmethod
@@ -361,7 +363,9 @@ class Config:
             election=LeaderElection.from_env(),
             readiness_port=_env_int("VLLMDP_READINESS_PORT", 8082),
             readiness_host=os.environ.get("VLLMDP_READINESS_HOST") or "0.0.0.0",
-            ray_tokens=RayTokens.from_file(os.environ.get("VLLMDP_RAY_AUTH_KEY_FILE") or ""),
+            ray_tokens=RayTokens.from_file(
+                os.environ.get("VLLMDP_RAY_AUTH_KEY_FILE") or "",
+                os.environ.get("VLLMDP_RAY_AUTH_PREVIOUS_KEY_FILE") or ""),
         )
 
     def backoff(self, consecutive_failures: int) -> float:

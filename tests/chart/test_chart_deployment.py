@@ -30,7 +30,8 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_ENGINE_METRICS_MAX_BYTES", "VLLMDP_LEADER_ELECTION",
              "VLLMDP_LEASE_NAME", "VLLMDP_LEASE_DURATION_SECONDS",
              "VLLMDP_RENEW_DEADLINE_SECONDS", "VLLMDP_RETRY_PERIOD_SECONDS",
-             "VLLMDP_READINESS_PORT", "VLLMDP_RAY_AUTH_KEY_FILE", "VLLMDP_NETWORK_POLICY",
+             "VLLMDP_READINESS_PORT", "VLLMDP_RAY_AUTH_KEY_FILE",
+             "VLLMDP_RAY_AUTH_PREVIOUS_KEY_FILE", "VLLMDP_NETWORK_POLICY",
              "VLLMDP_OPERATOR_NAMESPACE", "VLLMDP_OPERATOR_POD_LABELS", "VLLMDP_OPERATOR_CIDRS",
              "VLLMDP_KUBERAY_NAMESPACE", "VLLMDP_KUBERAY_POD_LABELS"]
 
@@ -277,12 +278,13 @@ def test_the_ray_auth_key_is_a_mounted_secret_the_operator_reads(
                  if v["name"] == "ray-auth-key"]  # fmt: skip
     (mount,) = [m for m in _container(dep)["volumeMounts"] if m["name"] == "ray-auth-key"]
     assert volume["secret"]["secretName"] == secret["metadata"]["name"] and mount["readOnly"]
-    (item,) = volume["secret"]["items"]
-    assert path == f"{mount['mountPath']}/{item['path']}" and item["key"] == "key"
+    # The whole Secret: `key`, and `previous` while a rotation is under way.
+    assert "items" not in volume["secret"] and path == f"{mount['mountPath']}/key"
+    assert _env(dep)["VLLMDP_RAY_AUTH_PREVIOUS_KEY_FILE"] == f"{mount['mountPath']}/previous"
     (tmp_path / "key").write_bytes(key)
     monkeypatch.setenv("VLLMDP_RAY_AUTH_KEY_FILE", str(tmp_path / "key"))
     tokens = config.Config.from_env().ray_tokens
-    assert tokens.token("ns", "a") == config.RayTokens(key).token("ns", "a")
+    assert tokens.token("ns", "a", "u") == config.RayTokens(key).token("ns", "a", "u")
     # An existing Secret instead: the chart makes none and mounts that one.
     own = chartlib.render((), ("rayAuth.existingKeySecret=mine",))
     assert not [s for s in chartlib.by_kind(own, "Secret") if "ray-auth" in s["metadata"]["name"]]

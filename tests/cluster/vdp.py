@@ -177,8 +177,14 @@ class Vdp:
         return str(svc["spec"]["clusterIP"])
 
     def ray_token(self) -> str | None:
-        """The cluster's Ray auth token, read as an admin reads it (the operator never does)."""
-        proc = self.cluster.kubectl("get", "secret", f"{self.name}-ray-token", "-n", self.ns,
+        """The serving cluster's Ray auth token, read as an admin reads it from the Secret its
+        authOptions name (the operator never does)."""
+        cluster = self.cluster.kubectl("get", "raycluster", str(self.status().get("rayCluster")),
+                                       "-n", self.ns, "-o", "jsonpath={.spec.authOptions.secretName}",
+                                       check=False).stdout.strip()  # fmt: skip
+        if not cluster:
+            return None
+        proc = self.cluster.kubectl("get", "secret", cluster, "-n", self.ns,
                                     "-o", "jsonpath={.data.auth_token}", check=False)  # fmt: skip
         raw = proc.stdout.strip() if proc.returncode == 0 else ""
         return base64.b64decode(raw).decode() if raw else None

@@ -11,6 +11,7 @@ and 403 with a wrong one (ray/_private/authentication/http_token_authentication.
 from __future__ import annotations
 
 import base64
+import re
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.api.validation import SpecError, validate
 from vllm_dp_operator.config import Config, RenderOptions
 from vllm_dp_operator.controller.kube import SECRET
-from vllm_dp_operator.engines.ray_auth import RayTokens
+from vllm_dp_operator.engines.ray_auth import RayTokens, key_id
 from vllm_dp_operator.engines.ray_dashboard import UNKNOWN, DashboardJobs
 from vllm_dp_operator.engines.transport import ApiServerProxyTransport, ServiceDnsTransport
 from vllm_dp_operator.plan import build_plan
@@ -36,29 +37,95 @@ from loopback_dns import LoopbackDns
 from world import CFG, World, serving, spec
 
 KEY = b"k" * 32
-TOKEN = RayTokens(KEY).token("ns1", "demo")
+UID = "uid-1"
+TOKEN = RayTokens(KEY).token("ns1", "demo", UID)
 
 
-def test_the_token_is_a_function_of_the_key_namespace_and_name() -> None:
+def test_the_token_is_a_function_of_the_key_namespace_name_and_uid() -> None:
     tokens = RayTokens(KEY)
-    assert tokens.token("ns1", "demo") == TOKEN == RayTokens(KEY).token("ns1", "demo")
-    others = {tokens.token("ns2", "demo"), tokens.token("ns1", "demo2"),
-              RayTokens(b"x" * 32).token("ns1", "demo"), tokens.token("ns1d", "emo")}  # fmt: skip
-    assert TOKEN not in others and len(others) == 4
+    assert tokens.token("ns1", "demo", UID) == TOKEN == RayTokens(KEY).token("ns1", "demo", UID)
+    others = {tokens.token("ns2", "demo", UID), tokens.token("ns1", "demo2", UID),
+              RayTokens(b"x" * 32).token("ns1", "demo", UID), tokens.token("ns1d", "emo", UID),
+              tokens.token("ns1", "demo", "uid-2"), tokens.legacy_token("ns1", "demo")}  # fmt: skip
+    assert TOKEN not in others and len(others) == 6
     assert len(TOKEN) == 43 and TOKEN.replace("-", "").replace("_", "").isalnum()
+
+
+def test_the_secret_name_says_the_key_id_and_a_tag_only_the_key_derives() -> None:
+    tokens, other = RayTokens(KEY), RayTokens(b"x" * 32)
+    name = tokens.secret_name("ns1", "demo", UID)
+    assert re.fullmatch(rf"demo-ray-token-{tokens.key_id}[0-9a-f]{{8}}", name), name
+    assert tokens.key_id == key_id(KEY) != other.key_id and len(tokens.key_id) == 8
+    # Another uid (a namesake made again), another namespace or another key: another name.
+    assert len({name, tokens.secret_name("ns1", "demo", "uid-2"),
+                tokens.secret_name("ns2", "demo", UID), other.secret_name("ns1", "demo", UID)}) == 4
+    # A cluster's Secret gives back its token; a name the key did not make gives none.
+    assert tokens.of_secret("ns1", "demo", UID, name) == TOKEN
+    assert tokens.of_secret("ns1", "demo", "uid-2", name) is None  # an earlier uid's
+    assert tokens.of_secret("ns1", "demo", UID, f"demo-ray-token-{tokens.key_id}00000000") is None
+    assert other.of_secret("ns1", "demo", UID, name) is None
+    assert tokens.of_secret("ns1", "demo", UID, "other-ray-token") is None
+
+
+def test_a_cluster_of_the_first_scheme_keeps_its_namespace_and_name_token() -> None:
+    # Clusters an earlier release made name `<name>-ray-token` and hold an HMAC of the
+    # namespace and name: the operator goes on calling them after an upgrade.
+    tokens = RayTokens(KEY)
+    legacy = {"spec": {"authOptions": {"mode": "token", "secretName": "demo-ray-token"}}}
+    assert tokens.of_cluster("ns1", "demo", UID, legacy) == tokens.legacy_token("ns1", "demo")
+    assert tokens.legacy_token("ns1", "demo") == _first_scheme(KEY, "ns1", "demo")
+    assert tokens.of_cluster("ns1", "demo", UID, {"spec": {}}) is None  # no token auth
+    assert tokens.of_cluster("ns1", "demo", UID, None) is None
+
+
+def test_a_rotation_calls_clusters_of_the_previous_key_and_makes_new_ones_of_the_new() -> None:
+    old, new = b"o" * 32, b"n" * 32
+    before = RayTokens(old)
+    old_cluster = {"spec": {"authOptions": {
+        "mode": "token", "secretName": before.secret_name("ns1", "demo", UID)}}}  # fmt: skip
+    legacy = {"spec": {"authOptions": {"mode": "token", "secretName": "demo-ray-token"}}}
+    during = RayTokens(new, previous=old)
+    assert during.key_id == key_id(new)
+    assert during.secret_name("ns1", "demo", UID).startswith(f"demo-ray-token-{key_id(new)}")
+    # The old clusters still answer the operator until a restart replaces them...
+    assert during.of_cluster("ns1", "demo", UID, old_cluster) == before.token("ns1", "demo", UID)
+    assert during.of_cluster("ns1", "demo", UID, legacy) == before.legacy_token("ns1", "demo")
+    # ...and once the previous key is gone, their tokens are no token of the operator's.
+    after = RayTokens(new)
+    assert after.of_cluster("ns1", "demo", UID, old_cluster) is None
+    assert during.token("ns1", "demo", UID) == after.token("ns1", "demo", UID) != before.token(
+        "ns1", "demo", UID)
+
+
+def _first_scheme(key: bytes, namespace: str, name: str) -> str:
+    """The token an earlier release derived, written out here independently."""
+    import hashlib
+    import hmac
+
+    mac = hmac.new(key, b"vllmdp.io ray auth token v1\0" + f"{namespace}\0{name}".encode(),
+                   hashlib.sha256)  # fmt: skip
+    return base64.urlsafe_b64encode(mac.digest()).decode().rstrip("=")
 
 
 def test_the_key_file_is_read_and_a_short_key_refused(tmp_path: Path) -> None:
     (tmp_path / "key").write_bytes(KEY + b"\n")
-    assert RayTokens.from_file(str(tmp_path / "key")).token("ns1", "demo") == TOKEN
+    assert RayTokens.from_file(str(tmp_path / "key")).token("ns1", "demo", UID) == TOKEN
     (tmp_path / "short").write_bytes(b"k" * 31)
     with pytest.raises(ValueError, match=r"VLLMDP_RAY_AUTH_KEY_FILE=.*at least 32 bytes"):
         RayTokens.from_file(str(tmp_path / "short"))
+    # The previous key's file is read where it exists (a rotation), and checked the same way.
+    (tmp_path / "previous").write_bytes(b"p" * 32)
+    both = RayTokens.from_file(str(tmp_path / "key"), str(tmp_path / "previous"))
+    assert both.legacy_token("ns1", "demo") == RayTokens(b"p" * 32).legacy_token("ns1", "demo")
+    lone = RayTokens.from_file(str(tmp_path / "key"), str(tmp_path / "absent"))
+    assert lone.legacy_token("ns1", "demo") == RayTokens(KEY).legacy_token("ns1", "demo")
+    with pytest.raises(ValueError, match=r"VLLMDP_RAY_AUTH_PREVIOUS_KEY_FILE=.*at least 32"):
+        RayTokens.from_file(str(tmp_path / "key"), str(tmp_path / "short"))
 
 
 def test_no_key_file_means_a_random_key_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     a, b = RayTokens.from_file(""), RayTokens.from_file("")
-    assert a.token("ns1", "demo") != b.token("ns1", "demo")
+    assert a.token("ns1", "demo", UID) != b.token("ns1", "demo", UID)
     assert "VLLMDP_RAY_AUTH_KEY_FILE is unset" in caplog.text
     assert repr(a).startswith("<vllm_dp_operator.engines.ray_auth.RayTokens object")  # no key
 
@@ -70,7 +137,12 @@ def _cluster(raw: dict[str, Any]) -> dict[str, Any]:
 
 def test_token_auth_is_on_by_default_with_the_operators_secret() -> None:
     body = _cluster(spec())["spec"]
+    # Rendered without the operator's key (the CLI's offline render): the first scheme's name.
     assert body["authOptions"] == {"mode": "token", "secretName": "demo-ray-token"}
+    s = validate("demo", spec())
+    named = build_raycluster("demo", "ns1", s, build_plan(s), RenderOptions(), None,
+                             token_secret="demo-ray-token-0123456789abcdef")  # fmt: skip
+    assert named["spec"]["authOptions"]["secretName"] == "demo-ray-token-0123456789abcdef"
     assert body["rayVersion"] >= "2.52.0"  # KubeRay refuses token mode below Ray 2.52
 
 
@@ -89,8 +161,8 @@ def test_an_unknown_auth_mode_is_refused_naming_the_field() -> None:
 
 def test_the_token_secret_has_kuberays_key_and_the_owner() -> None:
     owner = owner_reference("demo", "uid-1")
-    secret = build_ray_token_secret("demo", "ns1", TOKEN, owner)
-    assert secret["metadata"]["name"] == "demo-ray-token"
+    secret = build_ray_token_secret("demo", "ns1", "demo-ray-token-x", TOKEN, owner)
+    assert secret["metadata"]["name"] == "demo-ray-token-x"
     assert secret["metadata"]["ownerReferences"] == [owner]
     assert secret["metadata"]["labels"][c.LABEL_COMPONENT] == "ray-auth"
     assert base64.b64decode(secret["data"]["auth_token"]).decode() == TOKEN
@@ -113,35 +185,74 @@ async def test_the_secret_is_created_before_the_cluster_and_never_read() -> None
     w.kube.get, w.kube.list = recording_get, recording_list  # type: ignore[method-assign]
     await w.step()
     (secret,) = w.kube.named(SECRET)
-    token = CFG.ray_tokens.token("default", "demo")
+    name = CFG.ray_tokens.secret_name("default", "demo", w.uid)
+    assert secret["metadata"]["name"] == name
+    assert w.clusters()[0]["spec"]["authOptions"]["secretName"] == name
+    token = CFG.ray_tokens.token("default", "demo", w.uid)
     assert base64.b64decode(secret["data"]["auth_token"]).decode() == token
     assert secret["metadata"]["ownerReferences"][0]["uid"] == w.uid
     order = [(kind, name) for verb, kind, name in w.kube.writes if verb == "create"]
-    assert order.index(("secrets", "demo-ray-token")) < order.index(
+    assert order.index(("secrets", name)) < order.index(
         ("rayclusters", w.clusters()[0]["metadata"]["name"]))
     await w.step()
     w.cluster_ready()
     await w.step()
     creates = [n for verb, kind, n in w.kube.writes if kind == "secrets"]
-    assert creates == ["demo-ray-token"], "created once, with the cluster"
+    assert creates == [name], "created once, with the cluster"
     assert "secrets" not in read and {"services", "rayclusters"} <= set(read)
 
 
-async def test_a_secret_the_garbage_collector_took_is_made_again() -> None:
-    # A namesake's Secret was there at the first create (409), then went with its owner; the
-    # Ray pods wait for it (CreateContainerConfigError), which wakes the reconcile.
+async def test_a_secret_deleted_under_its_cluster_is_made_again() -> None:
+    # Someone deleted it; the Ray pods wait for it (CreateContainerConfigError), which wakes
+    # the reconcile.
     w = World(spec())
     await w.step()
-    del w.kube.objects[(SECRET, "default", "demo-ray-token")]
+    name = CFG.ray_tokens.secret_name("default", "demo", w.uid)
+    del w.kube.objects[(SECRET, "default", name)]
     cluster = w.clusters()[0]["metadata"]["name"]
     w.new_head_pod(cluster)
     pod = w.head_pod(cluster)
     assert pod is not None
     pod["status"] = {"phase": "Pending", "containerStatuses": [{"name": "ray-head", "state": {
         "waiting": {"reason": "CreateContainerConfigError",
-                    "message": 'secret "demo-ray-token" not found'}}}]}  # fmt: skip
+                    "message": f'secret "{name}" not found'}}}]}  # fmt: skip
     await w.step()
-    assert [o["metadata"]["name"] for o in w.kube.named(SECRET)] == ["demo-ray-token"]
+    assert [o["metadata"]["name"] for o in w.kube.named(SECRET)] == [name]
+
+
+async def test_a_secret_planted_under_the_earlier_name_is_never_mounted() -> None:
+    # A namespace member with create on Secrets plants `<name>-ray-token` (the name an earlier
+    # release used) before the resource exists, with a token of their own.
+    w = World(spec())
+    planted = {"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "demo-ray-token", "namespace": "default"},
+        "data": {"auth_token": base64.b64encode(b"known").decode()}}  # fmt: skip
+    w.kube.objects[(SECRET, "default", "demo-ray-token")] = planted
+    await w.step()
+    (cluster,) = w.clusters()
+    assert cluster["spec"]["authOptions"]["secretName"] == CFG.ray_tokens.secret_name(
+        "default", "demo", w.uid) != "demo-ray-token"
+    assert w.kube.objects[(SECRET, "default", "demo-ray-token")] is planted  # untouched
+
+
+async def test_a_cluster_an_earlier_release_made_is_called_with_its_own_token() -> None:
+    # Upgraded from a release whose clusters name `<name>-ray-token`: the cluster stays, and
+    # the operator's calls carry the token of the scheme it was made with.
+    w = await serving(spec(launch={"drainSeconds": 0}))
+    (cluster,) = w.clusters()
+    cluster["spec"]["authOptions"]["secretName"] = "demo-ray-token"
+    s = validate("demo", spec(launch={"drainSeconds": 0}))
+    cluster["metadata"]["labels"][c.LABEL_CLUSTER_HASH] = cluster_hash(
+        "demo", s, build_plan(s), CFG.render)  # its shape as that release rendered it
+    legacy = CFG.ray_tokens.legacy_token("default", "demo")
+    w.ray.replaced_token = legacy  # what its pods hold
+    for _ in range(3):
+        await w.step(5)
+    assert [cl["metadata"]["uid"] for cl in w.clusters()] == [cluster["metadata"]["uid"]]
+    assert w.status["phase"] == c.PHASE_SERVING
+    w.update(spec(engineArgs=["--enforce-eager"], launch={"drainSeconds": 0}))
+    await w.step()
+    assert w.ray.stops == ["demo-j00001"] and set(w.ray.tokens) == {legacy}
 
 
 async def test_disabled_creates_no_secret_and_calls_the_dashboard_without_a_token() -> None:
@@ -159,7 +270,7 @@ async def test_the_operators_dashboard_calls_carry_the_clusters_token() -> None:
     w.update(spec(engineArgs=["--enforce-eager"], launch={"drainSeconds": 0}))
     await w.step()
     assert w.ray.stops == ["demo-j00001"]
-    assert set(w.ray.tokens) == {CFG.ray_tokens.token("default", "demo")}
+    assert set(w.ray.tokens) == {CFG.ray_tokens.token("default", "demo", w.uid)}
 
 
 async def test_a_token_the_dashboard_refuses_is_no_delivered_stop() -> None:
@@ -250,4 +361,4 @@ async def test_by_cluster_dns_the_token_rides_in_kuberays_header(
 def test_config_reads_the_key_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "key").write_bytes(KEY)
     monkeypatch.setenv("VLLMDP_RAY_AUTH_KEY_FILE", str(tmp_path / "key"))
-    assert Config.from_env().ray_tokens.token("ns1", "demo") == TOKEN
+    assert Config.from_env().ray_tokens.token("ns1", "demo", UID) == TOKEN

@@ -262,10 +262,13 @@ def _born_again(w: World, raw_spec: dict[str, object]) -> int:
 
 
 async def test_a_deleted_namesakes_children_are_not_adopted_or_counted() -> None:
-    w = await launched()
+    # Without Ray token auth the same spec gives the same child names (with it, the token's
+    # Secret, and so the cluster's shape, carry the uid: the next test).
+    raw = spec(ray={"auth": "disabled"})
+    w = await launched(raw)
     w.run("demo-j00001")
     (old_cluster,) = [cl["metadata"]["name"] for cl in w.clusters()]
-    before = _born_again(w, spec())  # the same spec: the same child names
+    before = _born_again(w, raw)  # the same spec: the same child names
     await w.step()
     # Its ready cluster and running head job are not this resource's: nothing launches on
     # them, its attempt is not counted, and the cluster of that name waits for the collector.
@@ -276,6 +279,20 @@ async def test_a_deleted_namesakes_children_are_not_adopted_or_counted() -> None
     await w.step()
     (cluster,) = w.clusters()
     assert cluster["metadata"]["ownerReferences"][0]["uid"] == "uid-demo-2"
+
+
+async def test_a_namesake_with_token_auth_gets_its_own_token_secret_and_cluster() -> None:
+    w = await launched()
+    (old_cluster,) = w.clusters()
+    old_secret = old_cluster["spec"]["authOptions"]["secretName"]
+    before = _born_again(w, spec())
+    await w.step()
+    made = [(verb, kind, name) for verb, kind, name in w.kube.writes[before:]]
+    new = [cl for cl in w.clusters() if cl["metadata"]["name"] != old_cluster["metadata"]["name"]]
+    assert len(new) == 1 and new[0]["metadata"]["ownerReferences"][0]["uid"] == "uid-demo-2"
+    secret = new[0]["spec"]["authOptions"]["secretName"]
+    assert secret != old_secret and ("create", "secrets", secret) in made
+    assert all(verb == "create" for verb, _, _ in made), made  # the namesake's stay as they are
 
 
 async def test_a_deleted_namesakes_children_are_never_changed_or_deleted() -> None:

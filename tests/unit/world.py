@@ -184,7 +184,7 @@ class World:
                        seen_generation=int(self.status.get("observedGeneration") or 0))
         # Play Ray: a token-authenticated cluster's dashboard refuses calls without its token.
         auth = (self.spec.get("ray") or {}).get("auth", "token")
-        self.ray.required_token = CFG.ray_tokens.token("default", "demo") \
+        self.ray.required_token = CFG.ray_tokens.token("default", "demo", self.uid) \
             if auth == "token" else None  # fmt: skip
         out = await reconcile(res, self.kube, self.probe, self.ray, self.cfg, self.now,
                               self.slots)

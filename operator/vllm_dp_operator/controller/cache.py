@@ -67,7 +67,8 @@ def _slim_cluster(obj: Obj) -> Obj:
     spec = obj.get("spec") or {}
     groups = [{k: g[k] for k in ("groupName", "replicas", "minReplicas", "maxReplicas") if k in g}
               for g in spec.get("workerGroupSpecs") or []]  # fmt: skip
-    kept = {k: spec[k] for k in ("suspend", "rayVersion") if k in spec}
+    # authOptions: its Secret says which key made the cluster's token (engines/ray_auth.py).
+    kept = {k: spec[k] for k in ("suspend", "rayVersion", "authOptions") if k in spec}
     return {"spec": {**kept, "workerGroupSpecs": groups}, "status": obj.get("status") or {}}
 
 

@@ -96,7 +96,7 @@ class HeadJobs:
         self, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, res: Resource,
         spec: VLLMDataParallelSpec, plan: Plan, cluster: str, head_pod: dict[str, Any] | None,
         st: StatusDoc, route: Callable[[bool], Awaitable[bool]], complete: bool = False,
-        keep_job: str | None = None,
+        keep_job: str | None = None, *, token: str | None,
     ) -> None:  # fmt: skip
         self.kube, self.probes, self.ray_jobs, self.cfg = kube, probes, ray_jobs, cfg
         self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
@@ -111,8 +111,9 @@ class HeadJobs:
         self.target: Target | None = None
         #: The launcher's last reported stage for the latest head job, while it is followed.
         self.said: str | None = None
-        # The cluster's Ray token, derived again rather than read from its Secret.
-        self.token = cfg.ray_tokens.of_cluster(res.namespace, res.name, spec.ray.auth)
+        #: The cluster's Ray token, derived again rather than read from its Secret
+        #: (RayTokens.of_cluster).
+        self.token = token
 
     async def converge(self, jobs: list[dict[str, Any]]) -> None:
         """Jobs are the live head jobs on this cluster, oldest attempt first."""

@@ -205,7 +205,8 @@ async def reconcile(
     else:
         await _ensure_service(kube, build_service(res.name, ns, spec, owner, front), res.uid)
 
-    shape = cluster_hash(res.name, spec, plan, cfg.render, res.restarted_at)
+    shape = cluster_hash(res.name, spec, plan, cfg.render, res.restarted_at,
+                         cfg.ray_tokens.secret_name(ns, res.name, res.uid))  # fmt: skip
     before = replicaset.previous(res.status)
     step = replicaset.decide(spec.replicas, _views(before, clusters, jobs))
     if step.chosen or step.added:

@@ -27,7 +27,7 @@ from vllm_dp_operator.reconcile import replicaset
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.routing import Router
 from vllm_dp_operator.reconcile.status import rfc3339
-from vllm_dp_operator.reconcile.surge import served_route, served_target
+from vllm_dp_operator.reconcile.surge import served_route, served_target, token_of
 from vllm_dp_operator.reconcile.update import drain_over
 
 Obj = dict[str, Any]
@@ -83,16 +83,15 @@ async def leave(
     # Drained while its endpoint still says serving (kept-alive connections may still use it):
     # that is the routing decision, read back from the slice on each step.
     if router.serving and router.head_pod is not None:
-        token = cfg.ray_tokens.of_cluster(ns, res.name, spec.ray.auth)
         target = served_target(res, spec, cluster or "", clusters, head_pod, draining=True,
-                               token=token)  # fmt: skip
+                               token=token_of(cfg, res, clusters, cluster or ""))  # fmt: skip
         running, idle = _drain_reading(probes, target)
         over, why = drain_over(since, spec.update.drain_seconds, running, now, idle)
     if not over:
         mst.recheck(spec.update.drain_seconds + 1)
         return _entry(res, mst, st, since, f"Leaving: {why}")
     flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster or "", head_pod, mst,
-                    router.route)  # fmt: skip
+                    router.route, token=token_of(cfg, res, clusters, cluster or ""))  # fmt: skip
     waiting = await flow.retire_all(live_jobs, f"replica {res.replica} leaves ({why})")
     if waiting:
         return _entry(res, mst, st, since, f"Leaving: {'; '.join(waiting)}")

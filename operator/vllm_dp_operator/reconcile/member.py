@@ -194,7 +194,8 @@ async def reconcile_replica(
     how a rolling update across replicas has it update now (replicaset.rollout)."""
     ns = res.namespace
     desired = build_raycluster(res.name, ns, spec, plan, cfg.render, owner, res.replica,
-                               res.asked, res.restarted_at)  # fmt: skip
+                               res.asked, res.restarted_at,
+                               cfg.ray_tokens.secret_name(ns, res.name, res.uid))  # fmt: skip
     res = await surge.recover_switch(kube, res, jobs, st.now)
     if res.status.get("update") != st.doc.get("update"):
         st.doc.update({k: res.status.get(k) for k in (
@@ -202,8 +203,8 @@ async def reconcile_replica(
     old_state = await surge.drained_state(kube, res, spec, clusters, jobs, probes, cfg)
     step = surge.decide_step(res, spec, plan, desired, clusters, jobs, st, turn, old_state)
     if step.stop is not None:
-        await surge.stop_drained(kube, res, spec, plan, step.stop, jobs, probes, ray_jobs, cfg,
-                                 st)  # fmt: skip
+        await surge.stop_drained(kube, res, spec, plan, step.stop, clusters, jobs, probes,
+                                 ray_jobs, cfg, st)  # fmt: skip
     clusters, jobs = await surge.apply_step(kube, ns, step, clusters, jobs, st)
     if step.accept:
         await _accept(kube, clusters, step.cluster, res.asked)
@@ -218,8 +219,9 @@ async def reconcile_replica(
         return
     token_secret = None
     if spec.ray.auth == RayAuth.TOKEN:
-        token = cfg.ray_tokens.token(ns, res.name)
-        token_secret = build_ray_token_secret(res.name, ns, token, owner)
+        token_secret = build_ray_token_secret(
+            res.name, ns, desired["spec"]["authOptions"]["secretName"],
+            cfg.ray_tokens.token(ns, res.name, res.uid), owner)  # fmt: skip
         if not any(cl["metadata"]["name"] == cluster_name for cl in clusters):
             # Before the cluster, whose pods read it; the operator never reads it back.
             await create_child(kube, SECRET, token_secret)
@@ -309,6 +311,8 @@ async def _converge_cluster(
     st.cond(c.COND_CLUSTER_READY, True, c.REASON_CLUSTER_READY,
             f"RayCluster {cluster_name}: {readiness.message}")  # fmt: skip
     flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
-                    route, complete, keep_job)  # fmt: skip
+                    route, complete, keep_job,
+                    token=cfg.ray_tokens.of_cluster(res.namespace, res.name, res.uid,
+                                                    cluster))  # fmt: skip
     await flow.converge(live)
     return flow

@@ -127,6 +127,12 @@ async def keep_serving(
                                            router.head_pod))  # fmt: skip
 
 
+def token_of(cfg: Config, res: Resource, clusters: list[Obj], cluster: str) -> str | None:
+    """The Ray token of the resource's live RayCluster `cluster` (engines/ray_auth.py)."""
+    obj = next((cl for cl in clusters if cl["metadata"]["name"] == cluster), None)
+    return cfg.ray_tokens.of_cluster(res.namespace, res.name, res.uid, obj)
+
+
 def served_target(res: Resource, spec: VLLMDataParallelSpec, cluster: str, clusters: list[Obj],
                   head: Obj | None, draining: bool = False, job: str | None = None,
                   token: str | None = None) -> Target:  # fmt: skip
@@ -160,9 +166,8 @@ def served_route(
     decision = while_not_ready(live)
     if decision is not None or not served or cfg.health_probe == PROBES_OFF:
         return decision
-    token = cfg.ray_tokens.of_cluster(res.namespace, res.name, spec.ray.auth)
     health = probes.health(served_target(res, spec, cluster, clusters, head, draining,
-                                         token=token))  # fmt: skip
+                                         token=token_of(cfg, res, clusters, cluster)))  # fmt: skip
     if health.ok:
         return True
     return False if probed_gone(health, cfg, st.now) else None
@@ -295,9 +300,9 @@ async def drained_state(
     head = head_pod_of(await kube.list(POD, res.namespace, names.head_pod_selector(old)))
     if head is None:
         return Draining(0, True)  # nothing runs there to drain
-    token = cfg.ray_tokens.of_cluster(res.namespace, res.name, spec.ray.auth)
     reading = probes.reading(served_target(res, spec, old, clusters, head, draining=True,
-                                           job=left[-1]["metadata"]["name"], token=token))
+                                           job=left[-1]["metadata"]["name"],
+                                           token=token_of(cfg, res, clusters, old)))  # fmt: skip
     if reading is None:
         return Draining(None, True)
     return Draining(reading.in_flight(), True, reading.idle)
@@ -305,13 +310,14 @@ async def drained_state(
 
 async def stop_drained(
     kube: Kube, res: Resource, spec: VLLMDataParallelSpec, plan: Plan, cluster: str,
-    jobs: list[Obj], probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, st: StatusDoc,
+    clusters: list[Obj], jobs: list[Obj], probes: EngineProbes, ray_jobs: RayJobs, cfg: Config,
+    st: StatusDoc,
 ) -> None:  # fmt: skip
     """One step towards stopping a drained generation's head jobs through the Ray job API
     (vLLM's own shutdown, confirmed) before its cluster is deleted; it is no longer routed."""
     head = head_pod_of(await kube.list(POD, res.namespace, names.head_pod_selector(cluster)))
     flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster, head, st,
-                    Shadow().route)  # fmt: skip
+                    Shadow().route, token=token_of(cfg, res, clusters, cluster))  # fmt: skip
     left = [j for j in _live(jobs) if _labels(j).get(c.LABEL_CLUSTER) == cluster]
     await flow.retire_all(left, f"RayCluster {cluster} drained after its update's switch")
 

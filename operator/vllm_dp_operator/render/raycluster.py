@@ -144,8 +144,9 @@ def _pod_template(
 
 
 def _cluster_spec(
-    instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions
-) -> dict[str, Any]:
+    instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions,
+    token_secret: str,
+) -> dict[str, Any]:  # fmt: skip
     gpus = str(plan.gpus_per_pod)
     cluster: dict[str, Any] = {
         "rayVersion": options.ray_version,
@@ -159,7 +160,9 @@ def _cluster_spec(
     if spec.ray.auth == RayAuth.TOKEN:
         # KubeRay sets RAY_AUTH_MODE and RAY_AUTH_TOKEN (from this Secret, which the operator
         # creates) on every Ray container, and sends the token itself to submit the head job.
-        cluster["authOptions"] = {"mode": "token", "secretName": names.ray_token_secret(instance)}
+        # Its name says which key made the token (engines/ray_auth.py).
+        cluster["authOptions"] = {"mode": "token",
+                                  "secretName": token_secret or names.ray_token_secret(instance)}
     if plan.worker_pods:
         cluster["workerGroupSpecs"] = [
             {
@@ -277,10 +280,10 @@ def _shape(body: dict[str, Any], queue_labels: dict[str, str], restart: str = ""
 
 def cluster_hash(
     instance: str, spec: VLLMDataParallelSpec, plan: Plan, options: RenderOptions,
-    restart: str = "",
+    restart: str = "", token_secret: str = "",
 ) -> str:  # fmt: skip
     """Hash of everything that shapes the pods; a new value means a new RayCluster."""
-    body = _cluster_spec(instance, spec, plan, options)
+    body = _cluster_spec(instance, spec, plan, options, token_secret)
     return _shape(body, scheduling_labels(spec.scheduling), restart)
 
 
@@ -301,10 +304,13 @@ def build_raycluster(
     replica: int = 0,
     asked: str = "",
     restart: str = "",
+    token_secret: str = "",
 ) -> dict[str, Any]:
     """One replica's RayCluster manifest for a plan; its name carries the shape hash. `asked`:
-    the resource's `<generation>/<restartedAt>` it is made for; `restart`: its restartedAt."""
-    body = _cluster_spec(instance, spec, plan, options)
+    the resource's `<generation>/<restartedAt>` it is made for; `restart`: its restartedAt;
+    `token_secret`: its Ray token's Secret (engines/ray_auth.py; empty: the first scheme's
+    `<name>-ray-token`, as an offline render without the operator's key says)."""
+    body = _cluster_spec(instance, spec, plan, options, token_secret)
     queue_labels = scheduling_labels(spec.scheduling)
     shape = _shape(body, queue_labels, restart)
     labels = {

@@ -11,9 +11,9 @@ from vllm_dp_operator.render.meta import metadata
 
 
 def build_ray_token_secret(
-    instance: str, namespace: str, token: str, owner: dict[str, Any] | None
+    instance: str, namespace: str, name: str, token: str, owner: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """The token Secret: KubeRay puts its key on every Ray container as RAY_AUTH_TOKEN.
+    """The token Secret `name`: KubeRay puts its key on every Ray container as RAY_AUTH_TOKEN.
 
     The operator creates it and never reads it back: it derives the same token from its own
     key whenever it calls the dashboard (`engines.ray_auth`), so it needs no get on Secrets.
@@ -23,7 +23,7 @@ def build_ray_token_secret(
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": metadata(names.ray_token_secret(instance), namespace, labels, owner),
+        "metadata": metadata(name, namespace, labels, owner),
         "type": "Opaque",
         "data": {constants.RAY_TOKEN_SECRET_KEY: encoded},
     }
