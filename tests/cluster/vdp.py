@@ -179,12 +179,13 @@ class Vdp:
     def ray_token(self) -> str | None:
         """The serving cluster's Ray auth token, read as an admin reads it from the Secret its
         authOptions name (the operator never does)."""
-        cluster = self.cluster.kubectl("get", "raycluster", str(self.status().get("rayCluster")),
-                                       "-n", self.ns, "-o", "jsonpath={.spec.authOptions.secretName}",
-                                       check=False).stdout.strip()  # fmt: skip
-        if not cluster:
+        secret = self.cluster.kubectl(
+            "get", "raycluster", str(self.status().get("rayCluster")), "-n", self.ns,
+            "-o", "jsonpath={.spec.authOptions.secretName}",
+            check=False).stdout.strip()  # fmt: skip
+        if not secret:
             return None
-        proc = self.cluster.kubectl("get", "secret", cluster, "-n", self.ns,
+        proc = self.cluster.kubectl("get", "secret", secret, "-n", self.ns,
                                     "-o", "jsonpath={.data.auth_token}", check=False)  # fmt: skip
         raw = proc.stdout.strip() if proc.returncode == 0 else ""
         return base64.b64decode(raw).decode() if raw else None

@@ -121,9 +121,11 @@ def test_engine_change_stops_the_old_ray_job_and_confirms_before_the_next(
         # Through the real API server's service proxy, every call of the operator carried the
         # cluster's Ray token (the Secret the operator created and never read) in KubeRay's
         # header; the operator's own credential in Authorization ended at the API server.
-        (cluster,) = items(testbed, ns, "rayclusters")
+        # Every cluster of the resource names one Secret (one key, one uid).
+        (secret,) = {cl["spec"]["authOptions"]["secretName"]
+                     for cl in items(testbed, ns, "rayclusters")}  # fmt: skip
         token = base64.b64decode(testbed.kubectl(
-            "-n", ns, "get", "secret", cluster["spec"]["authOptions"]["secretName"], "-o",
+            "-n", ns, "get", "secret", secret, "-o",
             "jsonpath={.data.auth_token}").stdout).decode()  # fmt: skip
         calls = [e for e in ray_api(pod_ip, "GET", "/_double/log")
                  if e["path"].startswith("/api/jobs/drainer-") and (
