@@ -232,6 +232,68 @@ async def hang_rounds(b: Bench, rounds: int, hung: int, hang_s: float, gap: floa
             "hung_engines": hung, "hang_seconds": hang_s}  # fmt: skip
 
 
+async def _sample_rss(b: Bench, out: list[float]) -> None:
+    """The operator's RSS every second, into `out`, until cancelled."""
+    while True:
+        out.append(b.op.memory_mib()["VmRSS"])
+        await asyncio.sleep(1)
+
+
+async def flood_rounds(b: Bench, rounds: int, flood_s: float, count: int, gap: float,
+                       cleanup: bool) -> dict[str, Any]:  # fmt: skip
+    """Issue 39's hostile /metrics with everything else running: every engine answers 4 MiB
+    of made-up ranks for `flood_s` s. New resources are timed to their children (P1's
+    measure) before and during, and the operator's RSS and CPU are read in both."""
+    new_ns = b.namespace("p8-new")
+    rows = []
+    async with WatchLog(b.api, new_ns, [RAYCLUSTER, SERVICE]) as log:
+        for r in range(rounds):
+            cpu0, t0 = b.op.cpu_seconds(), time.perf_counter()
+            calm = await new_resources(b, new_ns, log, f"c{r}-", count, 2.0)
+            calm_cpu = (b.op.cpu_seconds() - cpu0) / (time.perf_counter() - t0) * 100
+            calm_rss = b.op.memory_mib()["VmRSS"]
+            started = time.time()
+            size = control("/flood", {"seconds": flood_s})["bytes"]
+            # Under way once the operator has read a few: the shipped cadence reads each
+            # engine's /metrics once a minute, spread over the minute.
+            waited = time.perf_counter()
+            while (control(f"/stats?since={started}")["flooded"] < 5
+                   and time.perf_counter() - waited < 90):  # fmt: skip
+                await asyncio.sleep(1)
+            rss: list[float] = []
+            cpu0, t0 = b.op.cpu_seconds(), time.perf_counter()
+            sampler = asyncio.create_task(_sample_rss(b, rss))
+            try:
+                during = await new_resources(b, new_ns, log, f"f{r}-", count, 2.0)
+                left = started + flood_s - time.time()
+                await asyncio.sleep(max(0.0, left - 1))
+            finally:
+                sampler.cancel()
+            flood_cpu = (b.op.cpu_seconds() - cpu0) / (time.perf_counter() - t0) * 100
+            st = control(f"/stats?since={started}")
+            row = {"calm_ms": calm, "flood_ms": during, "calm_rss_mib": calm_rss,
+                   "flood_rss_max_mib": max(rss), "calm_cpu_pct": calm_cpu,
+                   "flood_cpu_pct": flood_cpu, "flooded_gets": st["flooded"],
+                   "body_bytes": size}  # fmt: skip
+            rows.append(row)
+            print(f"P8 flood round {r}: new resource to children {median(during):.0f} ms "
+                  f"(max {max(during):.0f}) while {st['flooded']} /metrics reads of "
+                  f"{size / 2**20:.1f} MiB came; {median(calm):.0f} ms before; RSS "
+                  f"{calm_rss:.0f} -> max {max(rss):.0f} MiB; CPU {calm_cpu:.1f} -> "
+                  f"{flood_cpu:.1f} %", flush=True)  # fmt: skip
+            await asyncio.sleep(gap)
+    if cleanup:
+        await drop(b, new_ns)
+    flood = [x for row in rows for x in row["flood_ms"]]
+    calm = [x for row in rows for x in row["calm_ms"]]
+    return {"rounds": rows, "flood_children_ms": median(flood),
+            "flood_children_max_ms": max(flood), "calm_children_ms": median(calm),
+            "calm_children_max_ms": max(calm),
+            "flood_rss_max_mib": max(row["flood_rss_max_mib"] for row in rows),
+            "calm_rss_mib": median(row["calm_rss_mib"] for row in rows),
+            "flooded_gets": sum(row["flooded_gets"] for row in rows)}  # fmt: skip
+
+
 async def run(args: argparse.Namespace, tb: Testbed, op: BenchOperator) -> dict[str, Any]:
     await config.load_kube_config(str(tb.kubeconfig))
     out: dict[str, Any] = {"started": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -255,8 +317,14 @@ async def run(args: argparse.Namespace, tb: Testbed, op: BenchOperator) -> dict[
             # Kept should a later step fail: the steady state took the longest to reach.
             partial = REPO / "bench" / "results" / f"{args.name}.partial.json"
             partial.write_text(json.dumps(out, indent=2) + "\n")
-            out["hang"] = await hang_rounds(b, args.hang_rounds, args.hung, args.hang_seconds,
-                                            args.gap, not args.no_cleanup)  # fmt: skip
+            if args.hang_rounds:
+                out["hang"] = await hang_rounds(b, args.hang_rounds, args.hung,
+                                                args.hang_seconds, args.gap,
+                                                not args.no_cleanup)  # fmt: skip
+            if args.flood_rounds:
+                out["flood"] = await flood_rounds(b, args.flood_rounds, args.flood_seconds,
+                                                  args.flood_count, args.gap,
+                                                  not args.no_cleanup)  # fmt: skip
         finally:
             if not args.no_cleanup:
                 await drop(b, ns)
@@ -264,13 +332,13 @@ async def run(args: argparse.Namespace, tb: Testbed, op: BenchOperator) -> dict[
 
 
 def markdown(s: dict[str, Any]) -> str:
-    st, sp, h = s["steady"], s["spread"], s["hang"]
+    st, sp, h, f = s["steady"], s["spread"], s.get("hang"), s.get("flood")
 
     def row(label: str, key: str, unit: str, goal: str, fmt: str = ".2f") -> str:
         lo, hi = sp[key]
         return (f"| {label} | {st[key]:{fmt}} {unit} | {lo:{fmt}} to {hi:{fmt}} | {goal} |")
 
-    return "\n".join([
+    rows = [
         f"| Figure (N={s['n']}) | Median | Spread (windows) | Goal |", "| --- | --- | --- | --- |",
         row("P7 operator CPU", "cpu_pct", "%", "<= 5 %"),
         row("P7 API writes", "api_writes_per_s", "/s", "<= 1 /s", ".3f"),
@@ -281,12 +349,26 @@ def markdown(s: dict[str, Any]) -> str:
         row("P7 probe service time p99 (engine side)", "probe_p99_ms", "ms", "reported"),
         row("P7 engine level changes", "level_changes_per_s", "/s", "context", ".3f"),
         row("P7 RSS", "rss_mib", "MiB", "reported", ".0f"),
-        f"| P7 new resource to children, {h['hung_engines']} engines hung "
-        f"{h['hang_seconds']:.0f} s | {h['hang_children_ms']:.0f} ms | max "
-        f"{h['hang_children_max_ms']:.0f} ms | <= 1,000 ms |",
-        f"| P7 new resource to children, none hung | {h['calm_children_ms']:.0f} ms | max "
-        f"{h['calm_children_max_ms']:.0f} ms | context |",
-    ])  # fmt: skip
+    ]  # fmt: skip
+    if h:
+        rows += [
+            f"| P7 new resource to children, {h['hung_engines']} engines hung "
+            f"{h['hang_seconds']:.0f} s | {h['hang_children_ms']:.0f} ms | max "
+            f"{h['hang_children_max_ms']:.0f} ms | <= 1,000 ms |",
+            f"| P7 new resource to children, none hung | {h['calm_children_ms']:.0f} ms | max "
+            f"{h['calm_children_max_ms']:.0f} ms | context |",
+        ]  # fmt: skip
+    if f:
+        rows += [
+            f"| P8 new resource to children, every engine's /metrics 4 MiB of made-up ranks | "
+            f"{f['flood_children_ms']:.0f} ms | max {f['flood_children_max_ms']:.0f} ms | "
+            f"unchanged |",
+            f"| P8 new resource to children, before | {f['calm_children_ms']:.0f} ms | max "
+            f"{f['calm_children_max_ms']:.0f} ms | context |",
+            f"| P8 RSS before / most during | {f['calm_rss_mib']:.0f} MiB | "
+            f"{f['flood_rss_max_mib']:.0f} MiB | bounded |",
+        ]  # fmt: skip
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -302,6 +384,11 @@ def main() -> None:
     parser.add_argument("--hang-seconds", type=float, default=10)
     parser.add_argument("--hang-rounds", type=int, default=3)
     parser.add_argument("--gap", type=float, default=40, help="seconds between hang rounds")
+    parser.add_argument("--flood-rounds", type=int, default=0,
+                        help="rounds of a hostile 4 MiB /metrics from every engine (P8)")
+    parser.add_argument("--flood-seconds", type=float, default=150)
+    parser.add_argument("--flood-count", type=int, default=8,
+                        help="new resources timed before and during each flood")
     parser.add_argument("--regime-seconds", type=float, default=1800,
                         help="mean time between an engine's load level shifts")
     parser.add_argument("--name", default="serving", help="bench/results/<name>.json")
@@ -339,15 +426,22 @@ def main() -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(summary, indent=2) + "\n")
     print(markdown(summary), flush=True)
-    st, h = summary["steady"], summary["hang"]
+    st = summary["steady"]
     line = {"p7_n": args.n, "p7_cpu_pct": st["cpu_pct"],
-            "p7_api_writes_per_s": st["api_writes_per_s"],
-            "p7_probe_p99_ms": st["probe_p99_ms"], "p7_hang_children_ms": h["hang_children_ms"],
-            "p7_hang_children_max_ms": h["hang_children_max_ms"],
-            "p7_calm_children_ms": h["calm_children_ms"],
+            "p7_api_writes_per_s": st["api_writes_per_s"], "p7_probe_p99_ms": st["probe_p99_ms"],
             "p7_probe_gets_per_s": st["probe_gets_per_s"],
             "p7_status_writes_per_s": st["status_writes_per_s"], "p7_rss_mib": st["rss_mib"],
             "p7_converge_s": summary["converge_seconds"]}  # fmt: skip
+    if h := summary.get("hang"):
+        line.update(p7_hang_children_ms=h["hang_children_ms"],
+                    p7_hang_children_max_ms=h["hang_children_max_ms"],
+                    p7_calm_children_ms=h["calm_children_ms"])  # fmt: skip
+    if f := summary.get("flood"):
+        line.update(p8_flood_children_ms=f["flood_children_ms"],
+                    p8_flood_children_max_ms=f["flood_children_max_ms"],
+                    p8_calm_children_ms=f["calm_children_ms"],
+                    p8_calm_rss_mib=f["calm_rss_mib"], p8_flood_rss_max_mib=f["flood_rss_max_mib"],
+                    p8_flooded_gets=f["flooded_gets"])  # fmt: skip
     line = {k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}
     line["results"] = str(results.relative_to(REPO))
     print(json.dumps(line), flush=True)

@@ -16,6 +16,8 @@ on is one engine (a Ray head running `vllm serve` with --ranks DP ranks). Never 
                                those S s, soonest first (from the interval between their last
                                two), so that the hang meets the probes it is meant to meet
     GET  /_double/due?within=S  how many engines' next /health is due within S s
+    POST /_double/flood        {"seconds": S}: for S seconds every engine's /metrics is a
+                               tenant's hostile one, 4 MiB and more of made-up ranks (issue 39)
 
 The load moves all the time: every /metrics read draws new per-rank gauges within the engine's
 current regime (idle, busy or saturated, the levels the operator's status.load tells apart), and
@@ -125,6 +127,20 @@ def _labels(rank: int, extra: str = "") -> str:
     return f'engine="{rank}",{extra}model_name="{MODEL}"'
 
 
+def hostile_exposition(size: int = 4 * 1024 * 1024 + 4096) -> bytes:
+    """A tenant's /metrics of made-up ranks, `size` bytes or a line more: the three gauge
+    families the operator reads, each naming rank after rank far beyond any DP size."""
+    lines, total, rank = [], 0, 0
+    while total < size:
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                     "vllm:kv_cache_usage_perc"):  # fmt: skip
+            line = f'{name}{{engine="{rank}",model_name="{MODEL}"}} 1.0\n'
+            lines.append(line)
+            total += len(line)
+        rank += 1
+    return "".join(lines).encode()
+
+
 def render_gauges(loads: list[RankLoad]) -> str:
     """The gauge families the operator reads, one series per rank, in vLLM's format."""
     out = []
@@ -231,6 +247,12 @@ class Fleet:
     #: Arrival times of the GETs a hang held (counted on arrival, whatever became of them).
     held: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=200_000))
+    #: Until when every /metrics is the hostile one (POST /_double/flood), and that body.
+    flood_until: float = 0.0
+    flood_body: bytes = b""
+    #: Times of the /metrics GETs answered with the hostile body.
+    flooded: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=200_000))
     #: Times at which an engine's regime changed.
     shifts: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=200_000))
@@ -269,7 +291,8 @@ class Fleet:
         out: dict[str, Any] = {
             "now": time.time(), "since": since, "engines": len(self.engines),
             "level_changes": sum(1 for t in self.shifts if t >= since),
-            "held": sum(1 for t in self.held if t >= since)}  # fmt: skip
+            "held": sum(1 for t in self.held if t >= since),
+            "flooded": sum(1 for t in self.flooded if t >= since)}  # fmt: skip
         for kind in ("health", "metrics"):
             mine = [r for r in rows if r[1] == kind]
             out[kind] = {"gets": len(mine), "hung": sum(1 for r in mine if r[3]),
@@ -300,7 +323,10 @@ def make_app(fleet: Fleet) -> web.Application:
         try:  # counted also when the caller gave up on a hung engine and went away
             if hung:
                 await asyncio.sleep(eng.hang_until - now)
-            if kind == "metrics":
+            if kind == "metrics" and fleet.flood_until > now:
+                fleet.flooded.append(now)
+                body = fleet.flood_body
+            elif kind == "metrics":
                 loads = draw_loads(eng.regime, fleet.ranks, eng.rng)
                 body = (fleet.block(address) + render_gauges(loads)).encode()
             else:
@@ -340,6 +366,13 @@ def make_app(fleet: Fleet) -> web.Application:
             fleet.engine(address, now).hang_until = until
         return web.json_response({"addresses": addresses, "until": until})
 
+    async def flood(request: web.Request) -> web.Response:
+        doc = await request.json()
+        if not fleet.flood_body:
+            fleet.flood_body = hostile_exposition()
+        fleet.flood_until = time.time() + float(doc["seconds"])
+        return web.json_response({"until": fleet.flood_until, "bytes": len(fleet.flood_body)})
+
     async def refresher(app: web.Application) -> Any:
         for i in range(BLOCKS):
             fleet.refresh_block(i)
@@ -361,6 +394,7 @@ def make_app(fleet: Fleet) -> web.Application:
     app.router.add_get("/_double/stats", stats)
     app.router.add_post("/_double/hang", hang)
     app.router.add_get("/_double/due", due)
+    app.router.add_post("/_double/flood", flood)
     app.cleanup_ctx.append(refresher)
     return app
 

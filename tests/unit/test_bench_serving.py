@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_dp_operator.engines.engine_metrics import parse_engine_loads
+from vllm_dp_operator.engines.engine_metrics import ExpositionError, parse_engine_loads
 from vllm_dp_operator.engines.load_summary import level_of as operator_level
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,6 +78,16 @@ def test_the_exposition_is_the_size_of_vllms_for_8_ranks() -> None:
     assert 200 * 1024 < len(text) < 400 * 1024
     assert "vllm:time_to_first_token_seconds_bucket" in text
     assert parse_engine_loads(text) == {}  # the gauges come from render_gauges only
+
+
+def test_the_flood_is_4_mib_of_made_up_ranks_the_operator_reads_no_further_than_the_cap(
+) -> None:  # fmt: skip
+    body = engine_fleet.hostile_exposition()
+    assert len(body) >= 4 * 1024 * 1024
+    text = body.decode()
+    assert 'engine="16000"' in text and text.count("vllm:kv_cache_usage_perc{") > 16000
+    with pytest.raises(ExpositionError, match="more than 80 series"):
+        parse_engine_loads(text, ranks=8)
 
 
 def test_a_hang_picks_the_engines_probed_next() -> None:

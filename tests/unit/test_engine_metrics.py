@@ -13,6 +13,7 @@ from vllm_dp_operator.engines.engine_metrics import (
     missing_ranks,
     parse_engine_loads,
     ranks_text,
+    series_cap,
 )
 
 # Two DP ranks' worth of what vLLM 0.33's API server answers on /metrics (gauges, counters,
@@ -87,9 +88,24 @@ def test_ranks_beyond_the_dp_size_are_skipped_before_their_labels_are_parsed() -
     # A tenant's exposition of made-up ranks (issue 39, item 4): only the planned ones count,
     # and the others are not parsed at all (a label parse of each cost seconds at 4 MiB).
     lines = [f'vllm:num_requests_running{{engine="{r}",model_name="m"}} {r}\n'
-             for r in range(5000)]  # fmt: skip
+             for r in range(30)]  # fmt: skip
     text = "".join(lines) + 'vllm:num_requests_running{engine="9999",bad="unterminated} 1\n'
     loads = parse_engine_loads(text, ranks=4)
     assert sorted(loads) == [0, 1, 2, 3] and loads[3].running == 3
     with pytest.raises(ExpositionError):
         parse_engine_loads(text)  # without the bound, the bad line is parsed (and refused)
+
+
+def test_a_family_of_more_series_than_the_dp_size_allows_is_not_read_further() -> None:
+    # 5,000 made-up ranks: past series_cap(4) = 32 lines of the family, the reading stops
+    # (the work per read is bounded by the DP size, not by the text's length).
+    text = "".join(f'vllm:num_requests_running{{engine="{r}",model_name="m"}} {r}\n'
+                   for r in range(5000))  # fmt: skip
+    with pytest.raises(ExpositionError, match=r"more than 32 series of "
+                                              r"vllm:num_requests_running for 4 ranks"):
+        parse_engine_loads(text, ranks=4)
+    # As many series as the cap allows (each rank from 4 API server processes) are read.
+    many = "".join(f'vllm:num_requests_running{{engine="{r}",pid="{p}"}} {r}\n'
+                   for p in range(4) for r in range(4))  # fmt: skip
+    assert sorted(parse_engine_loads(many, ranks=4)) == [0, 1, 2, 3]
+    assert series_cap(0) == 0 and series_cap(8) == 80 and series_cap(64) == 64 * 64 + 16

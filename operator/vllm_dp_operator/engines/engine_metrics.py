@@ -114,15 +114,33 @@ def _beyond(line: str, ranks: int) -> bool:
     return digits.isdigit() and int(digits) >= ranks
 
 
+def series_cap(ranks: int) -> int:
+    """The most series of one wanted family read for a DP size: one per rank and API server
+    process (at most one per rank, or 4) and some slack; 0 (no cap) without a DP size."""
+    return ranks * max(ranks, 4) + 16 if ranks else 0
+
+
 def parse_engine_loads(text: str, ranks: int = 0) -> dict[int, EngineLoad]:
     """Per DP rank, the three wanted gauges; ranks that report none of them are absent, and
     with `ranks` (the DP size) so are ranks at or above it.
+
+    With `ranks`, a family with more series than `series_cap(ranks)` is no vLLM exposition
+    (a tenant's made-up ranks): ExpositionError after that many lines, so the work per read
+    is bounded by the DP size, not by the text's length.
 
     A rank missing one of the three reads 0 for it. When a family has several series for a
     rank (another label), the last one wins: vLLM reports these gauges once per engine.
     """
     found: dict[int, dict[str, float]] = {}
+    cap = series_cap(ranks)
+    seen: dict[str, int] = {}
     for raw in _wanted_lines(text):
+        if cap:
+            family = raw[: raw.find("{")] if "{" in raw else raw.partition(" ")[0]
+            seen[family] = seen.get(family, 0) + 1
+            if seen[family] > cap:
+                raise ExpositionError(f"more than {cap} series of {family} for {ranks} ranks: "
+                                      "not read further")  # fmt: skip
         if ranks and _beyond(raw, ranks):
             continue
         name, labels, value = _sample(raw)
