@@ -64,6 +64,7 @@ DRAIN_PROBE_SECONDS: Final = 2.0
 NETWORK_POLICY_SUFFIX: Final = "-ray"  # the NetworkPolicy in front of the Ray pods
 API_POLICY_SUFFIX: Final = "-api-port"  # the one that opens the API port, on head pods only
 EGRESS_POLICY_SUFFIX: Final = "-egress"  # the opt-in one that limits the Ray pods' egress
+DISRUPTION_BUDGET_SUFFIX: Final = "-ray"  # the PodDisruptionBudget over the Ray pods
 MAX_NAME_LENGTH: Final = min(
     KUBERAY_MAX_RAYJOB_NAME - ATTEMPT_SUFFIX,
     KUBERAY_MAX_RAYCLUSTER_NAME - CLUSTER_HASH_SUFFIX,
@@ -136,6 +137,7 @@ HEAD_CONTAINER: Final = "ray-head"
 APP_NAME: Final = "vllm-dp"
 MANAGER: Final = "vllm-dp-operator"
 COMPONENT_ENGINE: Final = "engine"
+COMPONENT_DISRUPTION: Final = "disruption-budget"
 COMPONENT_HEAD_JOB: Final = "head-job"
 COMPONENT_API: Final = "api"
 COMPONENT_RAY_AUTH: Final = "ray-auth"

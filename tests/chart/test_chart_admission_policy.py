@@ -28,7 +28,7 @@ def test_on_by_default_bound_to_the_chart_service_account_only() -> None:
     fenced = {r for rule in policy["spec"]["matchConstraints"]["resourceRules"]
               for r in rule["resources"]}  # fmt: skip
     assert fenced == {"rayclusters", "rayjobs", "services", "endpointslices",
-                      "networkpolicies"}
+                      "networkpolicies", "poddisruptionbudgets"}
 
 
 def test_off_when_asked_and_absent_where_the_api_server_lacks_it() -> None:

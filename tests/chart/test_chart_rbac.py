@@ -28,6 +28,9 @@ REQUIRED: frozenset[tuple[str, str, str]] = frozenset(
     # The NetworkPolicy in front of each resource's Ray pods, cached through a watch.
     + [("networking.k8s.io", "networkpolicies", v)
        for v in ("get", "list", "watch", "create", "patch", "delete")]
+    # The PodDisruptionBudget over each resource's Ray pods (two replicas or more), cached.
+    + [("policy", "poddisruptionbudgets", v)
+       for v in ("get", "list", "watch", "create", "patch", "delete")]
     # The Service's own EndpointSlice; delete also takes what an earlier version's selector
     # left (the controllers' slices, and the stale Endpoints they would be mirrored from).
     + [("discovery.k8s.io", "endpointslices", v)

@@ -145,9 +145,10 @@ async def test_api_calls_per_reconcile_are_bounded_and_steady() -> None:
     # Steady state: reads only (clusters, head jobs, the head pod, other managers' slices;
     # the slice for the Service's port, the Service, its EndpointSlice, the three
     # NetworkPolicies (the egress one to see that none is there); then the slice and the routed
-    # pod again, whose replica is what the status says is routed, and the slice's port once
-    # more), all from the cache in the controller, and no writes.
-    assert counts[0] == {"list": 4, "get": 9}
+    # pod again, whose replica is what the status says is routed, the slice's port once
+    # more, and the PodDisruptionBudget, which one replica does not have), all from the cache
+    # in the controller, and no writes.
+    assert counts[0] == {"list": 4, "get": 10}
 
 
 async def test_suspend_stops_pods_and_head_job_then_resumes() -> None:

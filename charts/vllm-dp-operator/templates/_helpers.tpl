@@ -86,6 +86,11 @@ REQUIRED in tests/chart/test_chart_rbac.py.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The PodDisruptionBudget over each resource's Ray pods (spec.replicas of 2 or more): a node
+# drain takes at most one replica at a time, and only while another routes.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The Service's one EndpointSlice, the operator's: the head pod's address, ready while routed.
 # delete: the slices the EndpointSlice and mirroring controllers left for a Service that an
 # earlier version gave a selector (neither removes them when the selector goes).

@@ -106,6 +106,11 @@ def network_policy(instance: str) -> str:
     return f"{instance}{constants.NETWORK_POLICY_SUFFIX}"
 
 
+def disruption_budget(instance: str) -> str:
+    """The PodDisruptionBudget over every replica's Ray pods (spec.replicas of 2 or more)."""
+    return f"{instance}{constants.DISRUPTION_BUDGET_SUFFIX}"
+
+
 def api_network_policy(instance: str) -> str:
     """The NetworkPolicy that admits the API port, on the resource's head pods only."""
     return f"{instance}{constants.API_POLICY_SUFFIX}"
@@ -141,6 +146,11 @@ def head_pods_selector(instance: str) -> str:
     return (f"{constants.LABEL_INSTANCE}={instance},"
             f"{constants.LABEL_COMPONENT}={constants.COMPONENT_ENGINE},"
             f"{constants.LABEL_RAY_NODE_TYPE}=head")  # fmt: skip
+
+
+def cluster_pods_selector(cluster: str) -> str:
+    """Label selector of every Ray pod of one RayCluster (KubeRay's label)."""
+    return f"{constants.LABEL_RAY_CLUSTER}={cluster}"
 
 
 def head_pod_selector(cluster: str) -> str:

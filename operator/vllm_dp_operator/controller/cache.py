@@ -23,6 +23,7 @@ from vllm_dp_operator import constants as c
 from vllm_dp_operator.controller.kube import (
     CRD,
     ENDPOINTSLICE,
+    PDB,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -103,6 +104,11 @@ def _slim_crd(obj: Obj) -> Obj:
             "status": {"conditions": status.get("conditions") or []}}  # fmt: skip
 
 
+def _slim_spec(obj: Obj) -> Obj:
+    # A PodDisruptionBudget's status is the disruption controller's running count.
+    return {"spec": obj.get("spec") or {}}
+
+
 def _slim_whole(obj: Obj) -> Obj:
     return {"spec": obj.get("spec") or {}, "status": obj.get("status") or {}}
 
@@ -110,7 +116,7 @@ def _slim_whole(obj: Obj) -> Obj:
 _SLIM: dict[Kind, Callable[[Obj], Obj]] = {
     RAYCLUSTER: _slim_cluster, RAYJOB: _slim_job, POD: _slim_pod,
     SERVICE: _slim_whole, VDP: _slim_whole, WORKLOAD: _slim_workload,
-    ENDPOINTSLICE: _slim_slice, CRD: _slim_crd,
+    ENDPOINTSLICE: _slim_slice, CRD: _slim_crd, PDB: _slim_spec,
 }  # fmt: skip
 
 

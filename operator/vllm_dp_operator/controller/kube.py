@@ -63,6 +63,7 @@ CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 #: controller leaves its last Endpoints behind, which the mirroring controller would copy.
 ENDPOINTS = Kind("", "v1", "endpoints")
 NETWORKPOLICY = Kind("networking.k8s.io", "v1", "networkpolicies")
+PDB = Kind("policy", "v1", "poddisruptionbudgets")
 
 
 class AlreadyExists(Exception):

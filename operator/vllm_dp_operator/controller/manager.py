@@ -61,6 +61,7 @@ from vllm_dp_operator.controller.kube import (
     CRD,
     ENDPOINTSLICE,
     NETWORKPOLICY,
+    PDB,
     POD,
     RAYCLUSTER,
     RAYJOB,
@@ -99,7 +100,7 @@ from vllm_dp_operator.reconcile.update import DRAINING, STARTING
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
-CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, ENDPOINTSLICE, POD, NETWORKPOLICY)
+CHILD_KINDS = (RAYCLUSTER, RAYJOB, SERVICE, ENDPOINTSLICE, POD, NETWORKPOLICY, PDB)
 #: Longest a status patch or an Event waits for the reconciles to drain.
 QUIET_WAIT = 2.0
 

@@ -30,7 +30,14 @@ from vllm_dp_operator.controller.kube import (
 from vllm_dp_operator.engines.prober import EngineProbes
 from vllm_dp_operator.engines.ray_dashboard import RayJobs
 from vllm_dp_operator.plan import Plan, build_plan
-from vllm_dp_operator.reconcile import leaving, lora_status, member, replicaset, surge
+from vllm_dp_operator.reconcile import (
+    disruption,
+    leaving,
+    lora_status,
+    member,
+    replicaset,
+    surge,
+)
 from vllm_dp_operator.reconcile.member import create_child, label_of, ours
 from vllm_dp_operator.reconcile.outcome import Outcome, Resource, StatusDoc
 from vllm_dp_operator.reconcile.routing import api_port, routed_pod, routed_port
@@ -246,6 +253,7 @@ async def reconcile(
         await _ensure_service(kube, build_service(res.name, ns, spec, owner, moved), res.uid)
         st.doc["endpoint"] = names.endpoint(res.name, ns, moved)
     _summarize(st, spec, entries)
+    await disruption.ensure_budget(kube, res, spec, plan, owner, st.doc["readyReplicas"])
     if st.doc.get("rollout") and all(replicaset.settled(e) for e in entries
                                      if not e.get("leaving")):  # fmt: skip
         st.doc["rollout"] = None  # its slot goes back

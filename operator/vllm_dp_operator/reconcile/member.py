@@ -231,13 +231,16 @@ async def reconcile_replica(
     # Kueue holds the cluster suspended until it admits it, and again when it evicts it.
     held = queue is not None and cluster is not None and bool(cluster["spec"].get("suspend"))
     cluster_uid = cluster["metadata"].get("uid") if cluster is not None else None
-    head_pod = None
+    head_pod, going = None, False
     if cluster is not None:
-        head_pod = head_pod_of(ours(await kube.list(POD, ns,
-                                                     names.head_pod_selector(cluster_name)),
-                                     cluster_uid))  # fmt: skip
+        pods = ours(await kube.list(POD, ns, names.cluster_pods_selector(cluster_name)),
+                    cluster_uid)  # fmt: skip
+        head_pod = head_pod_of(p for p in pods if label_of(p, c.LABEL_RAY_NODE_TYPE) == "head")
+        # A pod of it being deleted by someone else (a node drain evicts it): the replica's
+        # engines go with it, so it is unrouted now (its pod's preStop drains the head).
+        going = any(p["metadata"].get("deletionTimestamp") for p in pods)
     router = Router(kube, res.name, ns, res.uid, spec, head_pod, owner, res.replica,
-                    port=api_port(cluster, spec.service.port))  # fmt: skip
+                    port=api_port(cluster, spec.service.port), going=going)  # fmt: skip
     shadow, old_routed = None, True
     if step.mode is Mode.CANDIDATE and step.record is not None:
         # The old generation keeps its route; the new one's flow routes into a shadow.

@@ -146,9 +146,12 @@ class Router:
     def __init__(
         self, kube: Kube, name: str, namespace: str, uid: str, spec: VLLMDataParallelSpec,
         head_pod: Obj | None, owner: Obj, replica: int = 0, leaving: bool = False,
-        port: int | None = None,
+        port: int | None = None, going: bool = False,
     ) -> None:  # fmt: skip
         self.kube, self.name, self.ns, self.uid = kube, name, namespace, uid
+        #: A pod of this replica's cluster is being deleted (a node drain's eviction, say):
+        #: its engines go with it, so it is unrouted whatever the probes say.
+        self.going = going
         self.spec, self.head_pod, self.owner = spec, head_pod, owner
         self.replica, self.leaving = replica, leaving
         #: The port this replica's generation listens on (`api_port`); None keeps the slice's.
@@ -162,7 +165,7 @@ class Router:
         """Write the slice for this decision (None: keep the current one); return ready."""
         slice_name = names.endpoint_slice(self.name)
         current = await self.kube.get(ENDPOINTSLICE, self.ns, slice_name)
-        ready = route_ready(routed, self.head_pod, current)
+        ready = route_ready(routed, self.head_pod, current) and not self.going
         others = await _others(self.kube, self.ns, current, self.replica, self.head_pod)
         now = slice_port(current)
         port = self.port or now or self.spec.service.port

@@ -246,6 +246,26 @@ def _with_probes(body: dict[str, Any]) -> None:
         group["template"]["spec"]["containers"][0].update(_worker_probes())
 
 
+#: The longest a Ray pod's preStop hook holds its stop for the head's drain
+#: (vllm_dp_launcher/prestop.py), and the pod's grace period: that, then as long as before.
+PRESTOP_MAX_SECONDS = 20
+STOP_GRACE_SECONDS = PRESTOP_MAX_SECONDS + 30
+
+
+def _with_stop(body: dict[str, Any], port: int) -> None:
+    """A pod deleted by anyone but the operator (a node drain's eviction) drains its head
+    before its containers get SIGTERM: the hook returns at once where nothing serves. After
+    the hash, as the probes: a cluster made before it keeps its name and its pods."""
+    templates = [body["headGroupSpec"]["template"],
+                 *(g["template"] for g in body.get("workerGroupSpecs", []))]  # fmt: skip
+    for i, template in enumerate(templates):
+        command = ["python", "-m", "vllm_dp_launcher.prestop", "--port", str(port),
+                   "--max-seconds", str(PRESTOP_MAX_SECONDS), *(["--worker"] if i else [])]
+        template["spec"]["terminationGracePeriodSeconds"] = STOP_GRACE_SECONDS
+        template["spec"]["containers"][0]["lifecycle"] = {"preStop": {"exec": {
+            "command": command}}}  # fmt: skip
+
+
 #: Where replicas spread: across nodes, and across zones where the nodes carry one.
 SPREAD_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
 
@@ -324,6 +344,7 @@ def build_raycluster(
     # unsuspends it (the operator never writes the field after that: reconcile/converge.py).
     body["suspend"] = True if kueue_queue(spec) else spec.suspend
     _with_probes(body)
+    _with_stop(body, spec.service.port)
     _with_replica(body, instance, replica)
     return {
         "apiVersion": f"{constants.RAY_GROUP}/{constants.RAY_VERSION_API}",
