@@ -2,16 +2,20 @@
 
 One resource on the engine double (DP=2 in one Ray pod per replica), shared by the scenarios
 in file order: scaled to two replicas with `kubectl scale`, one replica's head pod deleted
-under load, then scaled back to one under load. Two clients count every failure the whole
-time: one opens a new connection per request (kube-proxy picks an endpoint afresh each time),
-one keeps its connections alive in a pool (kube-proxy keeps an established connection on its
-endpoint after the endpoint leaves the slice). What the scenarios assert:
+under load, one replica's node drained under load, then scaled back to one under load. Two
+clients count every failure the whole time: one opens a new connection per request
+(kube-proxy picks an endpoint afresh each time), one keeps its connections alive in a pool
+(kube-proxy keeps an established connection on its endpoint after the endpoint leaves the
+slice). What the scenarios assert:
 
 - scale to 2: both replicas Serving, the slice holds two ready endpoints, each head pod
   answers a completion directly, `status.ready` is `2/2`;
 - a head pod deleted: the other replica's endpoint stays ready throughout, the lost one is
   unrouted, at most 2 failed requests per client (those in flight on the lost replica), and
   the replica serves again;
+- a node drained (`kubectl drain`) under one replica's head pod: the PodDisruptionBudget lets
+  it go, the pod's preStop drains the head while the replica leaves the slice, 0 failed
+  requests on either client;
 - scale to 1: the leaving replica is unrouted first, drained and deleted; 0 failed requests
   on either client.
 """
@@ -128,6 +132,40 @@ def test_a_lost_head_pod_costs_only_its_replica(vdp: Vdp, report: dict[str, str]
     assert all(kept_ip in ready_addresses(s) for _, s in watch.seen), watch.seen
     for t in (new, kept):
         assert t.result["failed"] <= 2, f"{t.summary()}\n{t.logs()}\n{vdp.diagnostics()}"
+
+
+def test_a_node_drain_takes_one_replica_and_fails_no_request(
+    vdp: Vdp, report: dict[str, str]
+) -> None:  # fmt: skip
+    """`kubectl drain` of the node under replica 1's head pod while replica 0 serves: the
+    PodDisruptionBudget lets that pod go, its replica leaves the slice while the pod's preStop
+    drains the head, and its new head pod comes up on another node. No request fails."""
+    vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
+    pdb = vdp.cluster.kubectl_json("get", "pdb", f"{NAME}-ray", "-n", vdp.ns)
+    assert pdb["spec"]["minAvailable"] == 1, pdb["spec"]  # two pods, one may go
+    by_replica = heads(vdp)
+    node = by_replica["1"]["spec"]["nodeName"]
+    assert by_replica["0"]["spec"]["nodeName"] != node, "the replicas' pods share a node"
+    watch = slice_watch(vdp)
+    new, kept = clients(vdp, "drain")
+    try:
+        with new, kept:
+            drained = vdp.cluster.kubectl(
+                "drain", node, f"--pod-selector=vllmdp.io/instance={NAME}",
+                "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s",
+                check=False, timeout=150)  # fmt: skip
+            assert drained.returncode == 0, drained.stdout + drained.stderr
+            vdp.wait("both replicas routed again, replica 1 elsewhere", lambda: ready_replicas(
+                vdp, 2) and heads(vdp).get("1", {}).get("spec", {}).get("nodeName") not in (
+                    None, node), 300)  # fmt: skip
+    finally:
+        watch.stop()
+        vdp.cluster.kubectl("uncordon", node, check=False)
+    report["replicas: a node drained (new connections)"] = new.summary()
+    report["replicas: a node drained (kept-alive)"] = kept.summary()
+    assert not unready_seen(watch), watch.seen
+    for t in (new, kept):
+        assert t.result["failed"] == 0, f"{t.summary()}\n{t.logs()}\n{vdp.diagnostics()}"
 
 
 def test_scale_to_one_under_load_fails_no_request(vdp: Vdp, report: dict[str, str]) -> None:
