@@ -56,3 +56,21 @@ def test_the_tenancy_policy_renders_the_chart_values_and_is_on_by_default() -> N
     # the policy is not refused.
     [when] = policy["spec"]["matchConditions"]
     assert when["expression"] == "request.operation == 'CREATE' || object.spec != oldObject.spec"
+
+
+def test_the_token_secret_names_are_reserved_for_the_operator_by_default() -> None:
+    objects = chartlib.render((), (), release="vdp", namespace="ops")
+    [policy] = [o for o in chartlib.by_kind(objects, "ValidatingAdmissionPolicy")
+                if o["metadata"]["name"].endswith("-token-secrets")]  # fmt: skip
+    [binding] = [o for o in chartlib.by_kind(objects, "ValidatingAdmissionPolicyBinding")
+                 if o["metadata"]["name"].endswith("-token-secrets")]  # fmt: skip
+    [sa] = chartlib.by_kind(objects, "ServiceAccount")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["secrets"] and rule["operations"] == ["CREATE", "UPDATE"]
+    conditions = {m["name"]: m["expression"] for m in policy["spec"]["matchConditions"]}
+    assert f'"system:serviceaccount:ops:{sa["metadata"]["name"]}"' in conditions[
+        "not-the-operator"]  # fmt: skip
+    assert "-ray-token(-[0-9a-f]{16})?$" in conditions["a-token-secret-name"]
+    off = chartlib.render((), ("tenancy.reserveTokenSecretNames=false",))
+    assert not [o for o in off if o["metadata"]["name"].endswith("-token-secrets")]

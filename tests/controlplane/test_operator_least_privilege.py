@@ -198,13 +198,14 @@ def test_the_tenancy_policy_refuses_each_ask_beyond_a_tenants_own_naming_the_fie
     """A tenant with only `create` on vllmdataparallels, under the chart's tenancy policy
     with its defaults: an image outside the allow-list, a Secret other than its refs, a
     system priority class and a NodePort Service are each refused at admission, naming the
-    field; a resource within them is accepted (issue 39). A resource admitted before the
+    field; a resource within them is accepted, and a Secret named like a Ray token Secret is
+    refused (issue 39). A resource admitted before the
     policy keeps its metadata writable (a finalizer's removal), not its spec."""
     install_crd(testbed)
     ns = testbed_namespace
     rendered = chartlib.render((), (), "vdp-ten", ns)  # the chart's defaults: on
     policy = [o for o in rendered if o.get("kind") in chartlib.FENCE_KINDS
-              and o["metadata"]["name"].endswith("-tenancy")]  # fmt: skip
+              and o["metadata"]["name"].endswith(("-tenancy", "-token-secrets"))]  # fmt: skip
     for obj in policy:  # on the shared bed, this test's namespace only
         if obj["kind"] == "ValidatingAdmissionPolicyBinding":
             obj["spec"]["matchResources"] = {"namespaceSelector": {"matchLabels": {
@@ -227,6 +228,10 @@ def test_the_tenancy_policy_refuses_each_ask_beyond_a_tenants_own_naming_the_fie
                     "--resource=vllmdataparallels.vllmdp.io")
     testbed.kubectl("-n", ns, "create", "rolebinding", "vdp-creator", "--role=vdp-creator",
                     f"--serviceaccount={ns}:tenant")
+    testbed.kubectl("-n", ns, "create", "role", "secret-creator", "--verb=create",
+                    "--resource=secrets")
+    testbed.kubectl("-n", ns, "create", "rolebinding", "secret-creator",
+                    "--role=secret-creator", f"--serviceaccount={ns}:tenant")
 
     def create(body: dict[str, Any]) -> subprocess.CompletedProcess[str]:
         return testbed.kubectl("create", "--dry-run=server", f"--as={tenant}", "-f", "-",
@@ -250,6 +255,22 @@ def test_the_tenancy_policy_refuses_each_ask_beyond_a_tenants_own_naming_the_fie
         ok = create(doc(env=[{"name": "KEY", "valueFrom": {"secretKeyRef": {
             "name": "mine", "key": "k"}}}]))
         assert ok.returncode == 0, ok.stderr
+        # A token Secret planted ahead of the resource (an earlier release's name, or this
+        # one's): refused, whatever its token; another name is the tenant's to use.
+        for planted in ("t-ray-token", "t-ray-token-0123456789abcdef"):
+            def plant(n: str = planted) -> str:
+                proc = testbed.kubectl("-n", ns, "create", "secret", "generic", n,
+                                       "--from-literal=auth_token=known", "--dry-run=server",
+                                       f"--as={tenant}", check=False)  # fmt: skip
+                assert proc.returncode != 0, f"accepted: Secret {n}"
+                return proc.stderr if "token Secret policy" in proc.stderr else ""
+
+            why = testbed.wait_until(f"the policy to refuse Secret {planted}", plant, 30)
+            assert "metadata.name" in why and "-token-secrets" in why, why
+        mine = testbed.kubectl("-n", ns, "create", "secret", "generic", "t-ray-tokens",
+                               "--from-literal=k=v", "--dry-run=server", f"--as={tenant}",
+                               check=False)  # fmt: skip
+        assert mine.returncode == 0, mine.stderr
         # The resource from before: its spec is judged when written, its metadata is not.
         spec = testbed.kubectl("-n", ns, "patch", "vdp", "before", "--type=merge", "-p",
                                '{"spec":{"suspend":false}}', check=False)  # fmt: skip
