@@ -955,9 +955,10 @@ def http_status_or_none(url: str) -> int | None:
 
 
 def test_delete_removes_everything(vdp: Vdp) -> None:
+    assert vdp.token_secrets(), "the resource's Ray token Secrets, found by their labels"
     t0 = time.monotonic()
     vdp.cluster.kubectl("delete", "vdp", vdp.name, "-n", vdp.ns, "--wait=true", timeout=120)
     vdp.wait("every child gone", lambda: vdp.children() == [], 180)
     # The token Secret went with its owner too (the API key's Secret is the user's: it stays).
-    vdp.wait("the Ray token Secret gone", lambda: vdp.ray_token() is None, 60)
+    vdp.wait("the Ray token Secrets gone", lambda: vdp.token_secrets() == [], 60)
     note(f"delete: every child gone in {time.monotonic() - t0:.0f}s")

@@ -190,6 +190,13 @@ class Vdp:
         raw = proc.stdout.strip() if proc.returncode == 0 else ""
         return base64.b64decode(raw).decode() if raw else None
 
+    def token_secrets(self) -> list[str]:
+        """The resource's Ray token Secrets (by their labels), as an admin lists them."""
+        return self.cluster.kubectl(
+            "get", "secrets", "-n", self.ns, "-o", "name", "-l",
+            f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component=ray-auth",
+        ).stdout.split()  # fmt: skip
+
     def ray_headers(self) -> dict[str, str]:
         """KubeRay's header for the dashboard, when the cluster has a token."""
         token = self.ray_token()
