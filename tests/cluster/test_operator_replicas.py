@@ -151,7 +151,7 @@ def test_a_node_drain_takes_one_replica_and_fails_no_request(
     try:
         with new, kept:
             drained = vdp.cluster.kubectl(
-                "drain", node, f"--pod-selector=vllmdp.io/instance={NAME}",
+                "drain", node, f"--pod-selector=app.kubernetes.io/instance={NAME}",
                 "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s",
                 check=False, timeout=150)  # fmt: skip
             assert drained.returncode == 0, drained.stdout + drained.stderr
