@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from kwoknodes import node_manifests
@@ -134,3 +136,35 @@ def explain(testbed: Any, ns: str, operator: Any) -> str:
     except AssertionError as exc:
         state = f"(could not read the state: {exc})"
     return f"{state}\noperator log:\n{operator.log_tail(8000)}"
+
+
+@contextmanager
+def watched(testbed: Any, ns: str, kind: str, out: Path) -> Iterator[list[dict[str, Any]]]:
+    """Every watch event of `kind` in `ns` while the block runs, in order (the list fills
+    when the block ends): each version the API server wrote, which no poll can promise."""
+    events: list[dict[str, Any]] = []
+    errors = out.with_suffix(".stderr")
+    with out.open("w") as sink, errors.open("w") as err:
+        proc = subprocess.Popen(
+            [str(testbed.kubectl_path), f"--kubeconfig={testbed.kubeconfig}", "-n", ns, "get",
+             kind, "--watch", "--output-watch-events", "-o", "json"],
+            stdout=sink, stderr=err)  # fmt: skip
+        try:
+            yield events
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    text, decoder, at = out.read_text(), json.JSONDecoder(), 0
+    try:
+        while (at := _skip_space(text, at)) < len(text):
+            event, at = decoder.raw_decode(text, at)
+            events.append(event)
+    except json.JSONDecodeError as exc:
+        raise AssertionError(f"the watch of {kind} wrote no event at {at} of {out}: {exc}; "
+                             f"kubectl said: {errors.read_text()[-2000:]}") from None
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
