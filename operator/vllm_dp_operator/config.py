@@ -166,12 +166,19 @@ class PolicyPeers:
     kuberay_namespace: str = ""
     #: VLLMDP_KUBERAY_POD_LABELS: KubeRay's operator pods' labels (its chart's default).
     kuberay_pod_labels: Labels = (("app.kubernetes.io/name", "kuberay-operator"),)
+    #: Who reaches the API port of a resource that sets no spec.service.allowFrom: its own
+    #: namespace's pods and every pod of the namespaces carrying all of these labels
+    #: (VLLMDP_API_NAMESPACE_LABELS, `k=v,...`; empty: no other namespace) ...
+    api_namespace_labels: Labels = ((constants.LABEL_API_ACCESS, "true"),)
+    #: ... or every pod of the cluster (VLLMDP_API_PORT_OPEN: the earlier default).
+    api_open: bool = False
 
     @classmethod
     def from_env(cls) -> PolicyPeers:
         """Read the NetworkPolicy peers from the process environment."""
         default = cls()
         kuberay_labels = os.environ.get("VLLMDP_KUBERAY_POD_LABELS")
+        api_labels = os.environ.get("VLLMDP_API_NAMESPACE_LABELS")
         return cls(
             enabled=_env_bool("VLLMDP_NETWORK_POLICY", True),
             operator_namespace=(os.environ.get("VLLMDP_OPERATOR_NAMESPACE")
@@ -184,6 +191,9 @@ class PolicyPeers:
             kuberay_namespace=os.environ.get("VLLMDP_KUBERAY_NAMESPACE") or "",
             kuberay_pod_labels=(parse_labels("VLLMDP_KUBERAY_POD_LABELS", kuberay_labels)
                                 if kuberay_labels else default.kuberay_pod_labels),
+            api_namespace_labels=(parse_labels("VLLMDP_API_NAMESPACE_LABELS", api_labels)
+                                  if api_labels is not None else default.api_namespace_labels),
+            api_open=_env_bool("VLLMDP_API_PORT_OPEN", False),
         )  # fmt: skip
 
 

@@ -97,6 +97,10 @@ LABEL_CLUSTER: Final = f"{GROUP}/cluster"
 #: The replica a RayCluster, head job or Ray pod belongs to; absent on children that versions
 #: before replicas made, which are replica 0's.
 LABEL_REPLICA: Final = f"{GROUP}/replica"
+#: A namespace label: its pods may reach the API port of every resource that sets no
+#: spec.service.allowFrom (a gateway's, an ingress controller's or Prometheus's namespace), by
+#: default (VLLMDP_API_NAMESPACE_LABELS).
+LABEL_API_ACCESS: Final = f"{GROUP}/api-access"
 LABEL_RAY_CLUSTER: Final = "ray.io/cluster"
 LABEL_RAY_NODE_TYPE: Final = "ray.io/node-type"
 # The head pod label that versions before the EndpointSlice routing set, and their Service selected.

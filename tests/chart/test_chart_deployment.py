@@ -33,7 +33,8 @@ ENV_NAMES = ["POD_NAME", "POD_NAMESPACE", "VLLMDP_ENGINE_IMAGE", "VLLMDP_SOCKET_
              "VLLMDP_READINESS_PORT", "VLLMDP_RAY_AUTH_KEY_FILE",
              "VLLMDP_RAY_AUTH_PREVIOUS_KEY_FILE", "VLLMDP_NETWORK_POLICY",
              "VLLMDP_OPERATOR_NAMESPACE", "VLLMDP_OPERATOR_POD_LABELS", "VLLMDP_OPERATOR_CIDRS",
-             "VLLMDP_KUBERAY_NAMESPACE", "VLLMDP_KUBERAY_POD_LABELS"]
+             "VLLMDP_KUBERAY_NAMESPACE", "VLLMDP_KUBERAY_POD_LABELS",
+             "VLLMDP_API_NAMESPACE_LABELS", "VLLMDP_API_PORT_OPEN"]
 
 
 def _deployment(values: tuple[Path, ...] = (), set_values: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -355,9 +356,15 @@ def test_network_policy_peers_reach_the_operator(
     assert dep["spec"]["template"]["metadata"]["labels"].items() >= selector.items()
     assert peers.kuberay_namespace == "" and peers.operator_cidrs == ()
     assert peers.kuberay_pod_labels == config.PolicyPeers().kuberay_pod_labels
+    # The API port: the own namespace and the namespaces labelled for API access (issue 39).
+    assert peers.api_namespace_labels == (("vllmdp.io/api-access", "true"),)
+    assert peers.api_namespace_labels == config.PolicyPeers().api_namespace_labels
+    assert not peers.api_open
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump({"networkPolicy": {
         "enabled": False, "operatorCIDRs": ["10.0.0.10/32", "10.0.0.11/32"],
+        "apiPort": {"open": True,
+                    "namespaceLabels": {"gateway": "yes", "vllmdp.io/api-access": None}},
         "kuberay": {"namespace": "kuberay-system",
                     # Helm merges maps: null drops the default label.
                     "podLabels": {"app": "kuberay", "team": "ray",
@@ -370,10 +377,13 @@ def test_network_policy_peers_reach_the_operator(
     assert peers.operator_cidrs == ("10.0.0.10/32", "10.0.0.11/32")
     assert peers.kuberay_namespace == "kuberay-system"
     assert peers.kuberay_pod_labels == (("app", "kuberay"), ("team", "ray"))
+    assert peers.api_namespace_labels == (("gateway", "yes"),) and peers.api_open
 
 
 @pytest.mark.parametrize("bad", ["networkPolicy.kuberay.namespace=Kube_Ray",
-                                 "networkPolicy.operatorCIDRs={10.0.0.1}"])
+                                 "networkPolicy.operatorCIDRs={10.0.0.1}",
+                                 "networkPolicy.apiPort.open=maybe",
+                                 "networkPolicy.apiPort.namespaceLabels.a=b\\,c=d"])
 def test_bad_network_policy_values_fail_the_install(helm_bin: str, bad: str) -> None:
     with pytest.raises(AssertionError, match="networkPolicy"):
         chartlib.render((), (bad,))

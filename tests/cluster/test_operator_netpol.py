@@ -4,8 +4,10 @@ The bed's enforcer is kube-router's firewall controller (tests/testbed/netpolicy
 for node-1's pods, so the resource's two Ray pods run there (DP=2, a rank on the head and one on
 a worker; the engine double). Clients are pods of the engine-double image (it has python3) in other
 namespaces, each trying a TCP connect to the head pod: Ray's ports 6379 (GCS), 8265
-(dashboard and job API) and 10001 (client) must not connect, the API port must, until
-`spec.service.allowFrom` narrows it. The operator, in its own pod, keeps reaching the
+(dashboard and job API) and 10001 (client) must not connect. The API port connects, by
+default, from a pod of the resource's own namespace and from a namespace labelled
+`vllmdp.io/api-access=true`, not from another (issue 39); `spec.service.allowFrom` replaces
+that default. The operator, in its own pod, keeps reaching the
 dashboard and /health: the resource serves, and an engine-only change stops the old Ray job
 and confirms it. Turning the policy off opens the Ray ports again: the closed ports were the
 policy's doing, not a port nobody listens on. The API port is open on the head pod only: a
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from vllm_dp_operator import constants as c
 
 from .bed import RunningCluster
 from .vdp import API_PORT, DASHBOARD_PORT, Vdp, import_engine, own_namespace
@@ -32,7 +35,7 @@ pytestmark = pytest.mark.cluster
 IMAGE = "vllm-dp-engine-double"
 NAME = "netpol"
 NS = "t-netpol"
-CLIENTS = "t-netpol-clients"  # labelled team=clients: allowFrom's namespace
+CLIENTS = "t-netpol-clients"  # labelled team=clients (allowFrom's) and for API access
 OTHERS = "t-netpol-others"  # not labelled
 RAY_PORTS = (6379, DASHBOARD_PORT, 10001)
 RAY_AGENT_PORT = 52365  # the dashboard agent, on every Ray pod
@@ -76,14 +79,16 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
         operator.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=true",
                          timeout=180)  # fmt: skip
     own_namespace(operator, NS)
-    for ns, labels in ((CLIENTS, {"team": "clients"}), (OTHERS, {})):
+    for ns, labels in ((CLIENTS, {"team": "clients", c.LABEL_API_ACCESS: "true"}),
+                       (OTHERS, {})):  # fmt: skip
         operator.kubectl("create", "namespace", ns)
         if labels:
             operator.kubectl("label", "namespace", ns, *(f"{k}={v}" for k, v in labels.items()))
         operator.wait_until("the default ServiceAccount", lambda ns=ns: operator.kubectl(
             "get", "sa", "default", "-n", ns, check=False).returncode == 0, 30)  # fmt: skip
     for name, ns, labels in (("inside", CLIENTS, {"role": "x"}), ("outside", CLIENTS, {}),
-                             ("stranger", OTHERS, {"role": "x"})):  # fmt: skip
+                             ("stranger", OTHERS, {"role": "x"}),
+                             ("neighbour", NS, {})):  # fmt: skip
         operator.apply(client_pod(name, ns, labels))
     operator.apply(resource(["--max-num-seqs=4"]))
     yield Vdp(operator, NS, NAME)
@@ -93,7 +98,7 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
 
 def running(vdp: Vdp, pod: str) -> str:
     """Client `pod`'s namespace, once the pod runs."""
-    ns = OTHERS if pod == "stranger" else CLIENTS
+    ns = {"stranger": OTHERS, "neighbour": NS}.get(pod, CLIENTS)
     vdp.wait(f"client pod {pod} running", lambda: vdp.cluster.kubectl(
         "get", "pod", pod, "-n", ns, "-o", "jsonpath={.status.phase}",
         check=False).stdout == "Running", 120)  # fmt: skip
@@ -128,7 +133,9 @@ def head_ip(vdp: Vdp) -> str:
     return str(head["status"]["podIP"])
 
 
-def test_ray_ports_closed_to_another_namespace_api_port_open(vdp: Vdp) -> None:
+def test_ray_ports_closed_to_another_namespace_api_port_open_to_its_own_and_labelled(
+    vdp: Vdp,
+) -> None:
     st = vdp.wait_phase("Serving", 300)  # the operator's /health probe passed the policy
     policy = vdp.cluster.kubectl_json("get", "networkpolicy", f"{NAME}-ray", "-n", NS)
     assert policy["metadata"]["ownerReferences"][0]["name"] == NAME
@@ -136,8 +143,11 @@ def test_ray_ports_closed_to_another_namespace_api_port_open(vdp: Vdp) -> None:
     closed = settled(vdp, "outside", ip, RAY_PORTS, want_open=False)
     assert set(closed.values()) <= {"refused", "timeout"}, closed
     sys.stderr.write(f"[netpol] from {CLIENTS}/outside to the head {ip}: {closed}\n")
+    # The API port: from the labelled namespace and the resource's own, not from another.
     assert connect(vdp, "outside", ip, API_PORT) == "open"
-    assert connect(vdp, "stranger", ip, API_PORT) == "open"
+    assert connect(vdp, "neighbour", ip, API_PORT) == "open"
+    assert "open" not in reach(vdp, "neighbour", ip, RAY_PORTS).values()  # not a Ray pod
+    assert connect(vdp, "stranger", ip, API_PORT) in ("refused", "timeout")
     # Through KubeRay's head Service too: the ClusterIP leads to the same closed port.
     svc = vdp.cluster.kubectl_json("get", "svc", f"{st['rayCluster']}-head-svc", "-n", NS)
     assert connect(vdp, "outside", svc["spec"]["clusterIP"], DASHBOARD_PORT) != "open"
@@ -187,9 +197,11 @@ def test_allow_from_admits_only_the_selected_pods(vdp: Vdp) -> None:
     vdp.cluster.apply(resource(["--max-num-seqs=6"], allowFrom=ALLOW))
     vdp.wait("the policy rendered from allowFrom", lambda: json.loads(vdp.cluster.kubectl(
         "get", "networkpolicy", f"{NAME}-api-port", "-n", NS, "-o", "json").stdout)["spec"][
-        "ingress"][-1].get("from") is not None, 60)  # fmt: skip
+        "ingress"][-1].get("from") == ALLOW, 60)  # fmt: skip
     ip = head_ip(vdp)
+    # The labelled namespace's other pods and the resource's own namespace: not selected.
     settled(vdp, "outside", ip, (API_PORT,), want_open=False)
+    settled(vdp, "neighbour", ip, (API_PORT,), want_open=False)
     settled(vdp, "stranger", ip, (API_PORT,), want_open=False)
     assert connect(vdp, "inside", ip, API_PORT) == "open"
     ray = reach(vdp, "inside", ip, RAY_PORTS)  # allowFrom opens the API port only

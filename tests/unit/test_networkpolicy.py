@@ -84,8 +84,11 @@ def test_the_api_port_opens_on_the_head_pods_only() -> None:
     assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "vdp-system"}
     assert rule_ports(operator) == [c.DEFAULT_SERVING_PORT]
-    # The API port from anywhere by default; neither policy opens GCS or the client port.
-    assert api == {"ports": [{"protocol": "TCP", "port": c.DEFAULT_SERVING_PORT}]}
+    # The API port by default from the resource's own namespace and the namespaces labelled
+    # for API access (issue 39); neither policy opens GCS or the client port.
+    assert api == {"from": [{"podSelector": {}},
+                            {"namespaceSelector": {"matchLabels": {c.LABEL_API_ACCESS: "true"}}}],
+                   "ports": [{"protocol": "TCP", "port": c.DEFAULT_SERVING_PORT}]}  # fmt: skip
     for rule in (*policy()["spec"]["ingress"], operator, api):
         assert not {c.RAY_GCS_PORT, c.RAY_CLIENT_PORT} & set(rule_ports(rule) or [])
 
@@ -106,6 +109,23 @@ def test_allow_from_restricts_the_api_port() -> None:
         {"podSelector": {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}},
     ]  # fmt: skip
     assert rule_ports(api) == [c.DEFAULT_SERVING_PORT]
+
+
+def test_the_api_ports_default_sources_are_the_operators_to_set() -> None:
+    teams = dataclasses.replace(PEERS, api_namespace_labels=(("gateway", "yes"), ("team", "a")))
+    assert api_policy(teams)["spec"]["ingress"][-1]["from"] == [
+        {"podSelector": {}},
+        {"namespaceSelector": {"matchLabels": {"gateway": "yes", "team": "a"}}},
+    ]  # fmt: skip
+    own = dataclasses.replace(PEERS, api_namespace_labels=())
+    assert api_policy(own)["spec"]["ingress"][-1]["from"] == [{"podSelector": {}}]
+    # Open to every pod, as before the default (a rule without `from`); allowFrom still wins.
+    opened = dataclasses.replace(PEERS, api_open=True)
+    assert "from" not in api_policy(opened)["spec"]["ingress"][-1]
+    allow = [{"podSelector": {"matchLabels": {"role": "x"}}}]
+    for peers in (opened, own, PEERS):
+        assert api_policy(peers, service={"allowFrom": allow})["spec"]["ingress"][-1][
+            "from"] == allow  # fmt: skip
 
 
 def test_operator_outside_the_cluster_is_admitted_by_address_block() -> None:
@@ -169,6 +189,13 @@ def test_peers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert peers.operator_pod_labels == (("a", "1"), ("b", "2"))
     assert peers.operator_cidrs == ("10.0.0.1/32", "10.0.0.2/32")
     assert peers.kuberay_pod_labels == (("app.kubernetes.io/name", "kuberay-operator"),)
+    assert peers.api_namespace_labels == ((c.LABEL_API_ACCESS, "true"),) and not peers.api_open
+    monkeypatch.setenv("VLLMDP_API_NAMESPACE_LABELS", "")  # set, empty: no other namespace
+    monkeypatch.setenv("VLLMDP_API_PORT_OPEN", "true")
+    peers = Config.from_env().render.peers
+    assert peers.api_namespace_labels == () and peers.api_open
+    monkeypatch.setenv("VLLMDP_API_NAMESPACE_LABELS", "gateway=yes")
+    assert Config.from_env().render.peers.api_namespace_labels == (("gateway", "yes"),)
     with pytest.raises(ValueError, match="VLLMDP_X"):
         parse_labels("VLLMDP_X", "novalue")
 

@@ -461,7 +461,9 @@ class ServiceSpec(ApiModel):
         min_length=1,
         max_length=32,
         description="Who may reach the API port, enforced by the resource's NetworkPolicy: "
-        "unset admits every source; set, only pods matching one of these entries.",
+        "set, only pods matching one of these entries; unset, the operator's default (pods of "
+        "the resource's namespace and of namespaces labelled vllmdp.io/api-access=true, or "
+        "every pod where the operator is set to open it).",
     )
 
 

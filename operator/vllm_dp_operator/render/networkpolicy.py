@@ -12,8 +12,11 @@ cluster shape) and admits, for ingress:
 
 The second (`<name>-api-port`) selects only the head pods, where vLLM's API server listens,
 and admits the API port from the operator (/health, /metrics, the LoRA calls) and from
-everywhere, or from `spec.service.allowFrom` when that is set. A worker's port of the same
-number (a Ray, NCCL or ZMQ listener may take it) stays closed to all but the cluster itself.
+`spec.service.allowFrom` when that is set; else from the resource's own namespace and the
+namespaces that carry the operator's API-access labels (`vllmdp.io/api-access: "true"` by
+default: a gateway's, an ingress controller's, Prometheus's), or from everywhere where the
+operator is set so (VLLMDP_API_PORT_OPEN). A worker's port of the same number (a Ray, NCCL or
+ZMQ listener may take it) stays closed to all but the cluster itself.
 Policies add up, so the API policy is written before the other drops its old API rule.
 
 Egress is left alone unless `spec.networkPolicy.egress.enabled`: the engines download models
@@ -119,6 +122,19 @@ def build_network_policy(
     return _policy(names.network_policy(instance), instance, namespace, own_pods, ingress, owner)
 
 
+def api_sources(spec: VLLMDataParallelSpec, peers: PolicyPeers) -> list[dict[str, Any]] | None:
+    """The peers the API port admits besides the operator; None: every source (a rule without
+    `from`). allowFrom is never empty (the schema), so it never opens the port by accident."""
+    if spec.service.allow_from is not None:
+        return [_peer(s) for s in spec.service.allow_from]
+    if peers.api_open:
+        return None
+    own: list[dict[str, Any]] = [{"podSelector": {}}]  # every pod of the policy's namespace
+    if peers.api_namespace_labels:
+        own.append({"namespaceSelector": {"matchLabels": dict(peers.api_namespace_labels)}})
+    return own
+
+
 def build_api_network_policy(
     instance: str,
     namespace: str,
@@ -137,9 +153,8 @@ def build_api_network_policy(
     if operator := operator_peers(peers):
         ingress.append({"from": operator, "ports": _ports(*ports)})
     api_rule: dict[str, Any] = {"ports": _ports(*ports)}
-    if spec.service.allow_from is not None:
-        # A rule without `from` admits every source; allowFrom is never empty (the schema).
-        api_rule = {"from": [_peer(s) for s in spec.service.allow_from], **api_rule}
+    if (sources := api_sources(spec, peers)) is not None:
+        api_rule = {"from": sources, **api_rule}
     ingress.append(api_rule)
     return _policy(names.api_network_policy(instance), instance, namespace, heads, ingress,
                    owner)  # fmt: skip
