@@ -159,6 +159,39 @@ def test_operator_service_account_cannot_write_pods(vdp: Vdp) -> None:
         assert can_i("list", "pods", *where) == "yes", where
 
 
+def test_the_fence_refuses_the_operators_service_account(vdp: Vdp) -> None:
+    """Issue 39, on this bed with the chart's defaults: as the operator's ServiceAccount
+    (`--as`), a privileged RayCluster in kube-system, an EndpointSlice for the API server's own
+    Service, and a patch of that Service are refused by the chart's admission policy, naming it,
+    though its RBAC allows each; the resource it made serves (the module's other tests)."""
+    vdp.wait_phase("Serving", 300)
+    owner = [{"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel", "name": NAME,
+              "uid": vdp.cluster.kubectl_json("get", "vdp", NAME, "-n", vdp.ns)["metadata"][
+                  "uid"], "controller": True}]  # fmt: skip
+    pod = {"containers": [{"name": "ray-head", "image": f"{IMAGE}:dev",
+                           "securityContext": {"privileged": True}}],
+           "hostNetwork": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
+    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+               "metadata": {"name": "stolen", "namespace": "kube-system",
+                            "labels": {"app.kubernetes.io/managed-by": "vllm-dp-operator"}},
+               "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": pod}}}}
+    hijack = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+              "metadata": {"name": "hijack", "namespace": "default", "ownerReferences": owner,
+                           "labels": {"kubernetes.io/service-name": "kubernetes",
+                                      "app.kubernetes.io/managed-by": "vllm-dp-operator"}},
+              "addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"]}],
+              "ports": [{"name": "https", "port": 443}]}  # fmt: skip
+    asks = [(("create", "-f", "-"), cluster), (("create", "-f", "-"), hijack),
+            (("-n", "default", "patch", "service", "kubernetes", "--type=merge", "-p",
+              '{"metadata": {"labels": {"stolen": "yes"}}}'), None)]  # fmt: skip
+    for args, doc in asks:
+        proc = vdp.cluster.kubectl(*args, "--dry-run=server", f"--as={OPERATOR_SA_USER}",
+                                   input=json.dumps(doc) if doc else None, check=False)
+        assert proc.returncode != 0, f"accepted as the operator: {args} {proc.stdout}"
+        # The policy's name, {release}-vllm-dp-operator-fence, not RBAC's "forbidden".
+        assert "vdp-vllm-dp-operator-fence" in proc.stderr, (args, proc.stderr)
+
+
 def note(msg: str) -> None:
     sys.stderr.write(f"[double] {msg}\n")
 
