@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gcprobe import wait_gc_follows_rayclusters
 from operator_proc import OperatorProcess, install_crd
 from prometheus_client.parser import text_string_to_metric_families
 from scenario import apply, example, items, status, wait_phase
@@ -64,6 +65,10 @@ def kuberay_crds_deleted(testbed: Any) -> Iterator[None]:
         install_kuberay_crds(testbed)
         testbed.wait_until("KubeRay's operator ready after its CRDs came back",
                            lambda: kuberay_ready(testbed), timeout=60)  # fmt: skip
+        # The bed as the next test expects it: deleting a RayCluster collects its dependents.
+        took = wait_gc_follows_rayclusters(testbed)
+        sys.stderr.write(f"[kuberay-absent] the garbage collector follows RayClusters again "
+                         f"{took:.1f}s after the CRDs came back\n")
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from gcprobe import wait_gc_follows_rayclusters
 from operator_proc import OperatorProcess
 from scenario import apply, example, items, run_operator, status, wait_phase
 
@@ -64,6 +65,10 @@ def kueue(testbed: Any, operator: OperatorProcess) -> Iterator[None]:
     if up.returncode != 0:
         pytest.fail(f"Kueue did not start (rc={up.returncode}):\n{up.stdout[-3000:]}\n"
                     f"{up.stderr[-6000:]}\n{testbed.log_tail('kueue')}", pytrace=False)  # fmt: skip
+    # Deleting a resource frees its quota only through the collector: an earlier module may
+    # have left it behind (gcprobe.py).
+    took = wait_gc_follows_rayclusters(testbed)
+    sys.stderr.write(f"[kueue] the garbage collector follows RayClusters ({took:.1f}s)\n")
     try:
         yield
     finally:
