@@ -78,6 +78,11 @@ class Tally:
                     self.before_first_ok += 1
                     return True
                 self.first_ok_at = done
+            elif not good and sent < self.first_ok_at:
+                # Sent before any answer came, answered (a timeout) after: the client's own
+                # start too, e.g. a new pod the NetworkPolicy enforcer does not know yet.
+                self.before_first_ok += 1
+                return True
             self._requests.append((sent, done, good))
             if good:
                 self.ok += 1

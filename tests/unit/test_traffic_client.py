@@ -185,6 +185,21 @@ def test_tally_keeps_an_open_outage_and_caps_kept_failures() -> None:
     assert t.snapshot()["failed"] == 250
 
 
+def test_a_failure_sent_before_the_first_200_is_the_start_even_if_answered_after() -> None:
+    # A new client pod's first requests time out until the NetworkPolicy enforcer knows its
+    # address; one sent before the first 200 and timed out after it is that start, not an
+    # outage of what the test measures. One sent after the first 200 counts.
+    t = Tally()
+    t.record(1.0, 6.0, None, "timed out")
+    t.record(5.0, 5.1, 200, "")
+    t.record(1.1, 6.1, None, "timed out")
+    assert (t.snapshot()["before_first_ok"], t.snapshot()["failed"]) == (2, 0)
+    t.record(5.2, 10.2, None, "timed out")
+    snap = t.snapshot()
+    assert (snap["ok"], snap["failed"]) == (1, 1)
+    assert snap["outages"] == [{"from": 5.2, "to": None, "failed": 1}]
+
+
 def test_a_timeout_answered_after_later_successes_stays_in_its_outage() -> None:
     t = Tally()
     t.record(0.0, 0.1, 200, "")
