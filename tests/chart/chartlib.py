@@ -184,6 +184,18 @@ class OperatorIdentity:
         return f"system:serviceaccount:{self.namespace}:{self.service_account}"
 
 
+def privileged_raycluster(image: str, namespace: str = "kube-system") -> dict[str, Any]:
+    """A RayCluster the chart's fence must refuse the operator: no VLLMDataParallel owner,
+    a privileged container on the host network with the node's root mounted."""
+    pod = {"containers": [{"name": "ray-head", "image": image,
+                           "securityContext": {"privileged": True}}],
+           "hostNetwork": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+            "metadata": {"name": "stolen", "namespace": namespace,
+                         "labels": {"app.kubernetes.io/managed-by": "vllm-dp-operator"}},
+            "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": pod}}}}
+
+
 def apply_operator_identity(
     kubectl: Kubectl,
     release: str,

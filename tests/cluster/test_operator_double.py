@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,6 +40,8 @@ from .vdp import (
 )
 
 pytestmark = pytest.mark.cluster
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chart"))
+import chartlib  # noqa: E402
 
 IMAGE = "vllm-dp-engine-double"
 NAME = "double"
@@ -168,13 +171,7 @@ def test_the_fence_refuses_the_operators_service_account(vdp: Vdp) -> None:
     owner = [{"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel", "name": NAME,
               "uid": vdp.cluster.kubectl_json("get", "vdp", NAME, "-n", vdp.ns)["metadata"][
                   "uid"], "controller": True}]  # fmt: skip
-    pod = {"containers": [{"name": "ray-head", "image": f"{IMAGE}:dev",
-                           "securityContext": {"privileged": True}}],
-           "hostNetwork": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
-    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-               "metadata": {"name": "stolen", "namespace": "kube-system",
-                            "labels": {"app.kubernetes.io/managed-by": "vllm-dp-operator"}},
-               "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": pod}}}}
+    cluster = chartlib.privileged_raycluster(f"{IMAGE}:dev")
     hijack = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
               "metadata": {"name": "hijack", "namespace": "default", "ownerReferences": owner,
                            "labels": {"kubernetes.io/service-name": "kubernetes",

@@ -156,13 +156,7 @@ def test_the_fence_refuses_what_the_operator_never_writes(
     kubeconfig = chartlib.operator_kubeconfig(
         testbed.kubectl, identity, testbed.kubeconfig, tmp_path / "sa.kubeconfig"
     )
-    pod = {"containers": [{"name": "ray-head", "image": "x",
-                           "securityContext": {"privileged": True}}],
-           "hostNetwork": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
-    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-               "metadata": {"name": "stolen", "namespace": "kube-system",
-                            "labels": {"app.kubernetes.io/managed-by": "vllm-dp-operator"}},
-               "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": pod}}}}
+    cluster = chartlib.privileged_raycluster("x")
     testbed.kubectl("-n", ns, "create", "service", "clusterip", "foreign", "--tcp=80:80")
     owned = [{"apiVersion": "vllmdp.io/v1alpha1", "kind": "VLLMDataParallel", "name": "mine",
               "uid": "00000000-0000-0000-0000-000000000001", "controller": True}]
