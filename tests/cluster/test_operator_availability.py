@@ -31,7 +31,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +39,7 @@ import pytest
 
 from .bed import RunningCluster
 from .podfaults import container_pid, dropped, sigkill
+from .portsurge import surge_to_new_port
 from .timeline import (
     READY,
     READY_BY_ADDRESS,
@@ -385,70 +385,23 @@ def test_e_surge_that_never_serves_leaves_the_old_serving(
 
 #: C2's new API port: outside Linux's ephemeral range and clear of Ray's own ports.
 NEW_PORT = 8100
-#: How long after the slice's write kube-proxy may take to program the Service's new port.
-KUBE_PROXY_SYNC_S = 1.5
-
-
-def kube_proxy_has(vip: str, port: int) -> bool:
-    """Whether the bed's kube-proxy (iptables mode, in the host's network namespace) has a
-    rule for vip:port yet."""
-    rules = subprocess.run(["iptables", "-t", "nat", "-S", "KUBE-SERVICES"], check=False,
-                           capture_output=True, text=True).stdout  # fmt: skip
-    return any(f"-d {vip}/32" in r and f"--dport {port} " in f"{r} " for r in rules.splitlines())
 
 
 def test_c2_surge_to_a_new_port(vdp: Vdp, report: dict[str, str]) -> None:
     """Issue 38 item 2 on the engine double: a Surge that changes `spec.service.port` (after
     E, so from E's failed spec). A client on the old port loses nothing sent before the
     switch; a client of the new port that starts once kube-proxy has it (nothing can answer
-    there before) loses nothing; the Service's and the slice's port move once, never back."""
+    there before) loses nothing; the Service's and the slice's port move once, never back
+    (portsurge.py, which real vLLM's D2 shares)."""
     vdp.wait_phase("Serving", 300)
-    vdp.wait("no update in progress", lambda: "update" not in vdp.status(), 120)
-    old_ip = vdp.pods()["head"]["status"]["podIP"]
-    routes = slice_watch(vdp, READY_BY_ADDRESS)
-    svc = slice_watch(vdp, "{.spec.ports[*].port}", kind="services")
-    eps = slice_watch(vdp, "{.ports[*].port}")
-    vip = vdp.service_ip()
-    new_url = f"http://{vip}:{NEW_PORT}"
-    try:
-        with traffic(vdp, "c2") as t, Traffic(vdp.cluster, vdp.ns, new_url, MODEL,
-                                              f"{IMAGE}:dev", name="traffic-c2new",
-                                              wait_go=True) as prompt:  # fmt: skip
-            vdp.wait("the slice watch's first line", lambda: routes.seen, 30)
-            applied = time.time()
-            vdp.cluster.apply(resource(vdp.ns, engineArgs=["--max-model-len=2048"],
-                                       service={"port": NEW_PORT}))  # fmt: skip
-            switched = vdp.wait("the slice off the old head", lambda: next((
-                at for at, s in routes.seen if at >= applied and ready_addresses(s)
-                and old_ip not in ready_addresses(s)), None), 300)  # fmt: skip
-            programmed = vdp.wait(f"kube-proxy's rule for port {NEW_PORT}", lambda: (
-                time.time() if kube_proxy_has(vip, NEW_PORT) else None), 30, interval=0.1)
-            prompt.go()
-            new = vdp.status()["rayCluster"]
-            vdp.wait("the old RayCluster gone after its drain",
-                     lambda: vdp.live_clusters() == [new], 120)  # fmt: skip
-            vdp.wait("status.update cleared", lambda: "update" not in vdp.status(), 60)
-            time.sleep(5)  # the new generation alone, with traffic flowing
-    finally:
-        for w in (routes, svc, eps):
-            w.stop()
-    res, after = t.result, prompt.result
-    report["C2 Surge to a new port (old port)"] = t.summary()
-    report["C2 Surge to a new port (new port, from kube-proxy's rule)"] = (
-        f"{prompt.summary()}; kube-proxy had the port {programmed - switched:.1f}s after the "
-        "slice moved")  # fmt: skip
-    why = (f"old port: {t.summary()}\n{json.dumps(res['failures'][:10], indent=1)}\n"
-           f"new port: {prompt.summary()}\n{json.dumps(after['failures'][:10], indent=1)}\n"
-           f"--- service ports {svc.seen}\n--- slice ports {eps.seen}\n--- slice {routes.seen}"
-           f"\n{vdp.diagnostics()}")  # fmt: skip
-    # The ports move once: after the first line with the new port, never the old one again.
-    for name, w in (("Service", svc), ("slice", eps)):
-        lines = [line.split() for at, line in w.seen if at >= applied]
-        first = next((i for i, p in enumerate(lines) if str(NEW_PORT) in p), None)
-        assert first is not None, f"the {name} never took port {NEW_PORT}\n{why}"
-        assert all(p == [str(NEW_PORT)] for p in lines[first:] if p), f"{name} flapped\n{why}"
-    # The old port served until the switch (1 s: the watch sees the slice a moment late).
-    before = [o for o in res["outages"] if o["from"] < switched - 1.0]
-    assert before == [] and res["ok"] > 0, f"{before}\n{why}"
-    # The new port, from kube-proxy's rule: nothing lost.
-    assert after["failed"] == 0 and after["ok"] > 0, why
+
+    def client(url: str, name: str, wait_go: bool) -> Traffic:
+        return Traffic(vdp.cluster, vdp.ns, url, MODEL, f"{IMAGE}:dev", name=name,
+                       wait_go=wait_go)  # fmt: skip
+
+    run = surge_to_new_port(vdp, resource(vdp.ns, engineArgs=["--max-model-len=2048"],
+                                          service={"port": NEW_PORT}),
+                            API_PORT, NEW_PORT, client, switch_s=300, drain_s=120,
+                            label="c2")  # fmt: skip
+    report.update(run.lines("C2 Surge to a new port"))
+    run.check()

@@ -17,6 +17,10 @@ Secure by default (issue 19), on the same one deployment: the namespace enforces
 `restricted`, the API key comes from a Secret through `spec.apiKeySecretRef`, and Ray token
 authentication is on (the default): the dashboard refuses a request without the token, while
 the operator's /health probe, its stop-and-confirm and KubeRay's submission and deletion work.
+
+Changes on the same deployment: D, a Surge of `--max-model-len` under a new-connection and a
+kept-alive client (issues 17 and 38); D2, a Surge of `spec.service.port` alone (issue 38, the
+procedure of portsurge.py).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import yaml
 
 from . import timeline
 from .bed import REPO, RunningCluster
+from .portsurge import surge_to_new_port
 from .traffic import Traffic
 from .vdp import (
     API_PORT,
@@ -825,6 +830,40 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
                               routed_on_health=False))  # fmt: skip
     models = http(f"{url}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 192, models
+    assert completion(url, http)["object"] == "text_completion"
+
+
+#: D2's new API port: outside Linux's ephemeral range and clear of Ray's own ports.
+NEW_PORT = 8100
+
+
+def test_surge_to_a_new_port_with_no_failed_request(vdp: Vdp) -> None:
+    """Issue 38 item 2 on real vLLM CPU engines (D2, after D): a Surge that changes
+    `spec.service.port` alone. The old generation keeps its port in the Service, the slice
+    and the NetworkPolicy until the new one answers a completion; a client on the old port
+    loses nothing sent before the switch, a client on the new port that starts once
+    kube-proxy has it loses nothing, and each port moves once (portsurge.py, which the
+    engine double's C2 shares). A port change ends the old port's kept connections with it,
+    so the kept-alive client of the drain is D's, on an unchanged port."""
+    vdp.wait_phase("Serving", 600)
+    old_port = service_port(vdp)
+    assert old_port != NEW_PORT
+    doc = example(vdp.ns, max_model_len=192)  # D's engines: the port is the only change
+    doc["spec"]["update"] = {"strategy": "Surge", "drainSeconds": 10}
+    doc["spec"]["service"] = {**doc["spec"].get("service", {}), "port": NEW_PORT}
+    doc["spec"].setdefault("launch", {})["timeoutSeconds"] = 1200  # as D's: a boot beside
+
+    def client(url: str, name: str, wait_go: bool) -> Traffic:
+        return Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name=name, rate=10,
+                       api_key_secret=("api-key", "key"), wait_go=wait_go)  # fmt: skip
+
+    run = surge_to_new_port(vdp, doc, old_port, NEW_PORT, client, switch_s=1260,
+                            drain_s=180, label="d2")  # fmt: skip
+    FAULTS.update(run.lines("D2 Surge to a new port"))
+    run.check()
+    assert service_port(vdp) == NEW_PORT
+    url = f"http://{vdp.service_ip()}:{NEW_PORT}"
+    assert http(f"{url}/v1/models", headers=AUTH)["data"][0]["max_model_len"] == 192
     assert completion(url, http)["object"] == "text_completion"
 
 
