@@ -74,15 +74,6 @@ def unready_seen(watch: RouteWatch) -> list[tuple[float, str]]:
     return [(at, s) for at, s in watch.seen if "true" not in s.split("|")[-1].split()]
 
 
-def heads(vdp: Vdp) -> dict[str, dict[str, Any]]:
-    """The running head pods by replica index."""
-    items = vdp.cluster.kubectl_json("get", "pods", "-n", vdp.ns,
-                                     "-l", "ray.io/node-type=head")["items"]  # fmt: skip
-    return {p["metadata"]["labels"].get("vllmdp.io/replica", "0"): p for p in items
-            if p["status"].get("phase") == "Running"
-            and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
-
-
 def clients(vdp: Vdp, scenario: str) -> tuple[Traffic, Traffic]:
     url = f"http://{vdp.service_ip()}:{API_PORT}"
     return (Traffic(vdp.cluster, vdp.ns, url, MODEL, f"{IMAGE}:dev", name=f"new-{scenario}"),
@@ -90,16 +81,11 @@ def clients(vdp: Vdp, scenario: str) -> tuple[Traffic, Traffic]:
                     keep_alive=True))  # fmt: skip
 
 
-def ready_replicas(vdp: Vdp, n: int) -> dict[str, Any] | None:
-    st = vdp.status()
-    return st if st.get("readyReplicas") == n and st.get("replicas") == n else None
-
-
 def test_scale_to_two_serves_from_both_replicas(vdp: Vdp) -> None:
     vdp.cluster.kubectl("scale", "vdp", NAME, "-n", vdp.ns, "--replicas=2")
-    st = vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
+    st = vdp.wait("two replicas routed", lambda: vdp.ready_replicas(2), 300)
     assert st["phase"] == "Serving" and st["ready"] == "2/2"
-    by_replica = heads(vdp)
+    by_replica = vdp.heads()
     assert sorted(by_replica) == ["0", "1"]
     ips = {p["status"]["podIP"] for p in by_replica.values()}
     [eps] = [vdp.cluster.kubectl_json("get", "endpointslice", f"{NAME}-api", "-n", vdp.ns)]
@@ -111,9 +97,9 @@ def test_scale_to_two_serves_from_both_replicas(vdp: Vdp) -> None:
 
 
 def test_a_lost_head_pod_costs_only_its_replica(vdp: Vdp, report: dict[str, str]) -> None:
-    vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
-    lost = heads(vdp)["1"]
-    kept_ip = heads(vdp)["0"]["status"]["podIP"]
+    vdp.wait("two replicas routed", lambda: vdp.ready_replicas(2), 300)
+    lost = vdp.heads()["1"]
+    kept_ip = vdp.heads()["0"]["status"]["podIP"]
     watch = slice_watch(vdp, READY_BY_ADDRESS)
     new, kept = clients(vdp, "lost")
     try:
@@ -123,7 +109,7 @@ def test_a_lost_head_pod_costs_only_its_replica(vdp: Vdp, report: dict[str, str]
                                 "--wait=false")  # fmt: skip
             vdp.wait("the lost replica unrouted", lambda: any(
                 lost["status"]["podIP"] not in ready_addresses(s) for _, s in watch.seen), 60)
-            vdp.wait("both replicas routed again", lambda: ready_replicas(vdp, 2), 300)
+            vdp.wait("both replicas routed again", lambda: vdp.ready_replicas(2), 300)
     finally:
         watch.stop()
     report["replicas: a head pod deleted (new connections)"] = new.summary()
@@ -140,10 +126,10 @@ def test_a_node_drain_takes_one_replica_and_fails_no_request(
     """`kubectl drain` of the node under replica 1's head pod while replica 0 serves: the
     PodDisruptionBudget lets that pod go, its replica leaves the slice while the pod's preStop
     drains the head, and its new head pod comes up on another node. No request fails."""
-    vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
+    vdp.wait("two replicas routed", lambda: vdp.ready_replicas(2), 300)
     pdb = vdp.cluster.kubectl_json("get", "pdb", f"{NAME}-ray", "-n", vdp.ns)
     assert pdb["spec"]["minAvailable"] == 1, pdb["spec"]  # two pods, one may go
-    by_replica = heads(vdp)
+    by_replica = vdp.heads()
     node = by_replica["1"]["spec"]["nodeName"]
     assert by_replica["0"]["spec"]["nodeName"] != node, "the replicas' pods share a node"
     watch = slice_watch(vdp)
@@ -155,8 +141,8 @@ def test_a_node_drain_takes_one_replica_and_fails_no_request(
                 "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s",
                 check=False, timeout=150)  # fmt: skip
             assert drained.returncode == 0, drained.stdout + drained.stderr
-            vdp.wait("both replicas routed again, replica 1 elsewhere", lambda: ready_replicas(
-                vdp, 2) and heads(vdp).get("1", {}).get("spec", {}).get("nodeName") not in (
+            vdp.wait("both replicas routed again, replica 1 elsewhere", lambda: vdp.ready_replicas(
+                2) and vdp.heads().get("1", {}).get("spec", {}).get("nodeName") not in (
                     None, node), 300)  # fmt: skip
     finally:
         watch.stop()
@@ -169,14 +155,14 @@ def test_a_node_drain_takes_one_replica_and_fails_no_request(
 
 
 def test_scale_to_one_under_load_fails_no_request(vdp: Vdp, report: dict[str, str]) -> None:
-    vdp.wait("two replicas routed", lambda: ready_replicas(vdp, 2), 300)
-    leaving = heads(vdp)["1"]["metadata"]["name"]  # the highest index leaves
+    vdp.wait("two replicas routed", lambda: vdp.ready_replicas(2), 300)
+    leaving = vdp.heads()["1"]["metadata"]["name"]  # the highest index leaves
     watch = slice_watch(vdp)
     new, kept = clients(vdp, "down")
     try:
         with new, kept:
             vdp.cluster.kubectl("scale", "vdp", NAME, "-n", vdp.ns, "--replicas=1")
-            vdp.wait("one replica left", lambda: ready_replicas(vdp, 1)
+            vdp.wait("one replica left", lambda: vdp.ready_replicas(1)
                      and len(vdp.live_clusters()) == 1, 300)  # fmt: skip
     finally:
         watch.stop()

@@ -172,6 +172,19 @@ class Vdp:
                 if p["status"].get("phase") == "Running"
                 and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
 
+    def heads(self) -> dict[str, dict[str, Any]]:
+        """The running head pods by replica index."""
+        items = self.cluster.kubectl_json("get", "pods", "-n", self.ns,
+                                          "-l", "ray.io/node-type=head")["items"]  # fmt: skip
+        return {p["metadata"]["labels"].get("vllmdp.io/replica", "0"): p for p in items
+                if p["status"].get("phase") == "Running"
+                and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+
+    def ready_replicas(self, n: int) -> dict[str, Any] | None:
+        """The status when `n` replicas are wanted and `n` routed, else None."""
+        st = self.status()
+        return st if st.get("readyReplicas") == n and st.get("replicas") == n else None
+
     def service_ip(self) -> str:
         svc = self.cluster.kubectl_json("get", "svc", f"{self.name}-api", "-n", self.ns)
         return str(svc["spec"]["clusterIP"])
