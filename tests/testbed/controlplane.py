@@ -149,6 +149,17 @@ class ControlPlane:
             f"--kubelet-client-key={st.pki / 'kubelet-client.key'}",
             "--kubelet-preferred-address-types=InternalIP",
         ] if p.kubelet_client else []  # fmt: skip
+        # The aggregation layer (an APIService served by an extension API server, as KEDA's
+        # external metrics are): the API server proxies with the front-proxy client
+        # certificate and names the user in these headers.
+        proxy = pki.front_proxy(st.pki)
+        aggregation = [f"--requestheader-client-ca-file={proxy['ca.crt']}",
+                       "--requestheader-allowed-names=front-proxy-client",
+                       "--requestheader-username-headers=X-Remote-User",
+                       "--requestheader-group-headers=X-Remote-Group",
+                       "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                       f"--proxy-client-cert-file={proxy['client.crt']}",
+                       f"--proxy-client-key-file={proxy['client.key']}"]  # fmt: skip
         token = self.tokens["admin"]
         policy = st.root / "audit-policy.yaml"
         policy.write_text(AUDIT_POLICY)
@@ -169,6 +180,7 @@ class ControlPlane:
              f"--service-account-signing-key-file={st.pki / 'sa.key'}",
              f"--service-cluster-ip-range={p.service_cidr}",
              f"--endpoint-reconciler-type={p.endpoint_reconciler}", *admission, *kubelet_client,
+             *aggregation,
              # Debian's etcd 3.4.23 lacks RequestWatchProgress. With WatchList on, the apiserver
              # turns every watch from resourceVersion 0 into a watch-list request and refuses it
              # ("required storage feature RequestWatchProgress is disabled"); kwok always

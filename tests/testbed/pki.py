@@ -1,7 +1,9 @@
 """Credentials of one test bed, written into its state dir (`pki/`, kubeconfigs); starts nothing.
 
 A CA, the API server's serving certificate, the service-account key pair (openssl), a client
-certificate the API server shows kubelets, static bearer tokens (`tokens.csv`) and one
+certificate the API server shows kubelets, the aggregation layer's front-proxy CA and client
+certificate (what the API server shows an extension API server it proxies to, such as KEDA's
+metrics API server), static bearer tokens (`tokens.csv`) and one
 kubeconfig per user. `down` leaves them, so exported kubeconfigs stay valid across restarts.
 """
 
@@ -109,3 +111,27 @@ def serving_cert(pki: Path, name: str, ip: str) -> tuple[Path, Path]:
                      "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
                      f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{ip}\n")  # fmt: skip
     return pki / f"{name}.crt", pki / f"{name}.key"
+
+
+def front_proxy(pki: Path) -> dict[str, Path]:
+    """The aggregation layer's own CA and the client certificate the API server proxies with
+    (CN front-proxy-client, as kubeadm names it); made once. Apart from the bed's CA, so no
+    other certificate of the bed can assert a user to an extension API server."""
+    files = {n: pki / f"front-proxy-{n}" for n in ("ca.crt", "client.crt", "client.key")}
+    if all(f.exists() for f in files.values()):
+        return files
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+             "-subj", "/CN=vllmdp-testbed-front-proxy-ca", "-keyout",
+             str(pki / "front-proxy-ca.key"), "-out", str(files["ca.crt"]))  # fmt: skip
+    (pki / "front-proxy-client.ext").write_text(
+        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=clientAuth\n")  # fmt: skip
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=front-proxy-client",
+             "-keyout", str(files["client.key"]), "-out", str(pki / "front-proxy-client.csr"))
+    _openssl("x509", "-req", "-in", str(pki / "front-proxy-client.csr"),
+             "-CA", str(files["ca.crt"]), "-CAkey", str(pki / "front-proxy-ca.key"),
+             "-CAcreateserial", "-days", "3650",
+             "-extfile", str(pki / "front-proxy-client.ext"), "-out",
+             str(files["client.crt"]))  # fmt: skip
+    return files
+
