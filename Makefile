@@ -19,7 +19,7 @@ NODES ?=
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes bench-p5 bench-metrics-flood \
         image engine-image kind-build e2e-kind e2e-kind-down images images-smoke builds \
-        build-lane-k8s build-lane-tools build-lane-images netpol-build
+        build-lane-k8s build-lane-tools build-lane-images netpol-build keda-build
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
@@ -74,6 +74,10 @@ test-cluster: ## Real kubelets, containerd, CNI, kube-proxy, CoreDNS and KubeRay
 
 test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
 	$(PYTEST) -m ray tests/ray
+
+keda-build: ## Build (or reuse) KEDA v2.21.0's images and manifests for the autoscaling tier (~8 min cold)
+	@$(HOSTREQS) ensure build kwok
+	$(TESTBED) keda-build
 
 test-vllm-contract: ## Opt-in: vLLM 0.33.0's own parser and placement against our plans (~9 GB)
 	$(PYTEST) -m vllm tests/vllm_contract

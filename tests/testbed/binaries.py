@@ -9,6 +9,10 @@
 - Kueue (`build_kueue`), for the Kueue tests only: its manager with `go install`, and its CRDs
   and webhook manifests from the same module. Cached in `<cache>/kueue-<key>/`, keyed by its
   pin alone (versions.env's last block, left out of the control plane's key).
+- KEDA (`build_keda`), for the autoscaling tier only: its operator and metrics API server from
+  `kedacmd/` (KEDA's replace directive rules out `go install`) as one-file images, and its
+  install manifests from the same module. Cached in `<cache>/keda-<key>/`, keyed by its pin
+  and `kedacmd/` alone.
 - The real nodes' NetworkPolicy enforcer (`build_netpol`): kube-router with `go install`,
   cached in `<cache>/netpol-<key>/`, keyed by its own pin alone.
 
@@ -63,7 +67,17 @@ KUEUE_MODULE = "sigs.k8s.io/kueue"
 NETPOL_RECIPE = "1"
 KUBE_ROUTER_PACKAGE = "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"
 # Pins whose binaries have a cache of their own, left out of the bin- and nodes- keys.
-OWN_CACHE_PINS = ("KUBE_ROUTER_VERSION", "KUEUE_VERSION", "KIND_VERSION", "KIND_ETCD_VERSION")
+OWN_CACHE_PINS = ("KUBE_ROUTER_VERSION", "KUEUE_VERSION", "KIND_VERSION", "KIND_ETCD_VERSION",
+                  "KEDA_VERSION")  # fmt: skip
+KEDACMD = HERE / "kedacmd"
+KEDA_MODULE = "github.com/kedacore/keda/v2"
+KEDA_RECIPE = "1"
+#: KEDA's commands (cmd/<name>), each cached as the binary its own manifests run
+#: (config/manager, config/metrics-server) and as a one-file image of that binary.
+KEDA_COMMANDS = {"operator": "keda", "adapter": "keda-adapter"}
+KEDA_IMAGES = {"keda": "testbed.local/keda", "keda-adapter": "testbed.local/keda-metrics-apiserver"}
+#: The images' user: KEDA's manifests ask runAsNonRoot, which a numeric user satisfies.
+KEDA_USER = "65532"
 
 
 def without_own_pins(text: str) -> bytes:
@@ -109,6 +123,12 @@ def version_key() -> str:
 def kueue_key() -> str:
     h = hashlib.sha256(f"recipe={KUEUE_RECIPE}\0{versions()['KUEUE_VERSION']}".encode())
     return h.hexdigest()[:12]
+
+
+def keda_key() -> str:
+    """KEDA's cache key: its pin, its recipe and `kedacmd/` only."""
+    return _key(KEDA_RECIPE + versions()["KEDA_VERSION"],
+                sorted(p for p in KEDACMD.rglob("*") if p.is_file()))  # fmt: skip
 
 
 def node_key() -> str:
@@ -317,22 +337,31 @@ def build(force: bool = False) -> Path:
     return _cached_build(bd, binaries_present, force, recipe)
 
 
-def _check_coredns_pin() -> None:
-    want = versions()["COREDNS_VERSION"]
-    found = re.search(r"github\.com/coredns/coredns (v\S+)", (NODECMD / "go.mod").read_text())
+def _check_pin(gomod: Path, module: str, pin: str) -> str:
+    """The version versions.env pins as `pin`, which `gomod` must require of `module`."""
+    want = versions()[pin]
+    found = re.search(rf"{re.escape(module)} (v\S+)", gomod.read_text())
     if not found or found.group(1) != want:
         have = found.group(1) if found else None
-        raise BuildError(f"nodecmd/go.mod must require github.com/coredns/coredns {want} "
-                         f"(versions.env COREDNS_VERSION), found {have}")  # fmt: skip
+        raise BuildError(f"{gomod.parent.name}/go.mod must require {module} {want} "
+                         f"(versions.env {pin}), found {have}")  # fmt: skip
+    return want
 
 
-def _one_file_image(binary: Path, ref: str, out: Path, work: Path) -> None:
-    """A scratch image holding only `binary` at /<name>, which is its entrypoint."""
+def _check_coredns_pin() -> None:
+    _check_pin(NODECMD / "go.mod", "github.com/coredns/coredns", "COREDNS_VERSION")
+
+
+def _one_file_image(binary: Path, ref: str, out: Path, work: Path,
+                    user: str | None = None) -> None:  # fmt: skip
+    """A scratch image holding only `binary` at /<name>, which is its entrypoint; run as
+    `user` when given."""
     root = work / f"{binary.name}-rootfs"
     root.mkdir()
     shutil.copy2(binary, root / binary.name)
     layer = oci.build_layer(root, work / f"{binary.name}-layer.tar")
-    entry = oci.ImageConfig(entrypoint=[f"/{binary.name}"], labels={"vllmdp.io/test-image": "true"})
+    entry = oci.ImageConfig(entrypoint=[f"/{binary.name}"], user=user,
+                            labels={"vllmdp.io/test-image": "true"})  # fmt: skip
     oci.write_archive(ref, [layer], entry, out)
 
 
@@ -405,6 +434,56 @@ def build_kueue(force: bool = False) -> Path:
         (kd / "BUILD_INFO.json").write_text(json.dumps({"KUEUE_VERSION": v, "key": kueue_key()}))
 
     return _cached_build(kd, kueue_present, force, recipe)
+
+
+def keda_dir() -> Path:
+    return cache_root() / f"keda-{keda_key()}"
+
+
+def keda_present(kd: Path | None = None) -> bool:
+    kd = kd or keda_dir()
+    return all((kd / "images" / f"{b}.tar").is_file() for b in KEDA_COMMANDS.values()) and (
+        kd / "config" / "default" / "kustomization.yaml").is_file()  # fmt: skip
+
+
+def keda_image(name: str) -> str:
+    """The image reference of KEDA's `name` (a KEDA_COMMANDS value) for this pin."""
+    return f"{KEDA_IMAGES[name]}:{versions()['KEDA_VERSION']}"
+
+
+def build_keda(force: bool = False) -> Path:
+    """Build (or reuse) KEDA's operator and metrics API server as one-file images, and copy
+    its install manifests; return their dir (kedabed.py installs them on the real-node bed).
+
+    One static `go build` of both commands in `kedacmd/` (CGO off, as KEDA's own images are
+    built), so what they share compiles once. `config/` is KEDA's kustomize tree as shipped
+    (CRDs, RBAC, the two Deployments, the APIService); kedabed renders it with kubectl's
+    kustomize and points it at these images.
+    """
+    kd = keda_dir()
+    ensure_host(host_uses(CONTROL_PLANE_USES, force or not keda_present(kd)))
+    v = _check_pin(KEDACMD / "go.mod", KEDA_MODULE, "KEDA_VERSION")
+
+    def recipe(tmp: Path) -> None:
+        env = dict(go_env(), CGO_ENABLED="0")
+        pkgs = [f"{KEDA_MODULE}/cmd/{c}" for c in KEDA_COMMANDS]
+        _run_build(["go", "build", "-ldflags=-s -w", "-o", f"{tmp}/", *pkgs], KEDACMD, env,
+                   f"KEDA {v}")  # fmt: skip
+        (tmp / "images").mkdir()
+        for cmd, name in KEDA_COMMANDS.items():
+            os.replace(tmp / cmd, tmp / name)
+            _one_file_image(tmp / name, keda_image(name), tmp / "images" / f"{name}.tar", tmp,
+                            user=KEDA_USER)  # fmt: skip
+            (tmp / name).unlink()
+        shutil.copytree(module_dir(KEDA_MODULE, v, env) / "config", tmp / "config")
+        for d in (tmp / "config", *(p for p in (tmp / "config").rglob("*") if p.is_dir())):
+            d.chmod(0o755)  # the module cache's folders are read-only: a rebuild removes these
+        for sub in ("images", "config"):
+            shutil.rmtree(kd / sub, ignore_errors=True)
+            os.replace(tmp / sub, kd / sub)
+        (kd / "BUILD_INFO.json").write_text(json.dumps({"KEDA_VERSION": v, "key": keda_key()}))
+
+    return _cached_build(kd, keda_present, force, recipe)
 
 
 def build_netpol(force: bool = False) -> Path:

@@ -16,6 +16,8 @@ in `.cluster/` or $VLLMDP_CLUSTER_DIR.
 
     testbed.py cluster build               also kubelet, kube-proxy, CoreDNS, pause/probe images
     testbed.py kueue-build | kueue-up | kueue-down   Kueue with its webhooks on the kwok bed
+    testbed.py keda-build                  KEDA's images and manifests (the autoscaling tier)
+    testbed.py cluster keda-up | keda-down KEDA installed on the running real-node bed
     testbed.py netpol-build                the enforcer alone (kube-router; `cluster build` has it)
     testbed.py cluster up [--nodes 2] [--gpus-per-node 4] [--image TAR ...]
                                            (`make cluster-up NODES=4`: 1..9 nodes, default 2)
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import binaries
 import faults
+import kedabed
 import kueuebed
 import kwoknodes
 import operatorchart
@@ -86,6 +89,7 @@ def _kwok_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="fail instead of building missing binaries")
     sub.add_parser("down", help="stop what `up` started")
     sub.add_parser("kueue-build", help="build or reuse Kueue (binary, CRDs, webhooks)")
+    sub.add_parser("keda-build", help="build or reuse KEDA (images, install manifests)")
     sub.add_parser("netpol-build", help="build or reuse the real-node bed's NetworkPolicy enforcer")
     sub.add_parser("kueue-up", help="start Kueue with its webhooks on the running bed")
     sub.add_parser("kueue-down", help="remove Kueue's webhooks and stop it")
@@ -122,6 +126,8 @@ def _cluster_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     o.add_argument("--set", dest="values", action="append", default=[], metavar="KEY=VALUE",
                    help="extra chart value (repeatable)")
     csub.add_parser("operator-down", help="`helm uninstall` the operator")
+    csub.add_parser("keda-up", help="install KEDA from its own manifests (kedabed.py)")
+    csub.add_parser("keda-down", help="remove KEDA (its CRDs stay)")
     for name, text in (("images", "list each node's images"), ("down", "stop and clean up"),
                        ("cached", "exit 0 when every binary and image is cached"),
                        ("env", "print shell exports"), ("status", "which components live"),
@@ -166,6 +172,10 @@ def _cluster(a: argparse.Namespace) -> int:
         operatorchart.install(st, extra=tuple(a.values))
     elif a.ccmd == "operator-down":
         operatorchart.uninstall(st)
+    elif a.ccmd == "keda-up":
+        kedabed.up(st)
+    elif a.ccmd == "keda-down":
+        kedabed.down(st)
     elif a.ccmd in ("import", "images", "content", "load") and not realbed.healthy(st):
         raise RuntimeError(f"no healthy real-node bed in {st.root}; run `cluster up`")
     elif a.ccmd == "import":
@@ -246,6 +256,8 @@ def _kwok(a: argparse.Namespace) -> int:
         kwoknodes.down(st)
     elif a.cmd == "kueue-build":
         print(binaries.build_kueue())
+    elif a.cmd == "keda-build":
+        print(binaries.build_keda())
     elif a.cmd == "netpol-build":
         print(binaries.build_netpol())
     elif a.cmd == "kueue-up":
