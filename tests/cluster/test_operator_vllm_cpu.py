@@ -20,7 +20,8 @@ the operator's /health probe, its stop-and-confirm and KubeRay's submission and 
 
 Changes on the same deployment: D, a Surge of `--max-model-len` under a new-connection and a
 kept-alive client (issues 17 and 38); D2, a Surge of `spec.service.port` alone (issue 38, the
-procedure of portsurge.py).
+procedure of portsurge.py). Opt-in (`make test-autoscaling`, marker `keda`): KEDA scaling the
+resource 1 -> 2 -> 1 replicas on vLLM's queue (issue 37).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import pytest
 import yaml
 
 from . import timeline
-from .bed import REPO, RunningCluster
+from .bed import REPO, RunningCluster, testbed_cli
 from .portsurge import surge_to_new_port
 from .traffic import Traffic
 from .vdp import (
@@ -61,6 +62,7 @@ from .vdp import (
 
 # isort: split
 # tests/testbed is on sys.path once .vdp is imported.
+import hostnet
 import operatorchart
 from common import kubectl_table
 from promlib import Prometheus, file_sd, pod_targets, scrape_config_from_pod_monitor
@@ -321,18 +323,27 @@ def test_both_engines_finish_requests(vdp: Vdp) -> None:
     assert sum(done.values()) >= 20, done
 
 
-def pod_monitor_prometheus(vdp: Vdp, workdir: Path) -> Prometheus:
+def write_pod_targets(vdp: Vdp, path: Path) -> None:
+    """Every pod of the bed (all namespaces, as the PodMonitor's `any: true` asks) as
+    kubernetes_sd would label them, for Prometheus' file_sd (written whole, then renamed)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(pod_targets(
+        vdp.cluster.kubectl_json("get", "pods", "--all-namespaces")["items"])))  # fmt: skip
+    tmp.replace(path)
+
+
+def pod_monitor_prometheus(vdp: Vdp, workdir: Path, host: str = "127.0.0.1") -> Prometheus:
     """Prometheus scraping what the chart's engine PodMonitor selects: the PodMonitor as
     `helm template` renders it with the bed's install values and monitoring on, its job fed
-    every pod of the bed (all namespaces, as the PodMonitor's `any: true` asks) as
-    kubernetes_sd would label them."""
+    the bed's pods (write_pod_targets, at the start; again as pods come and go where the
+    caller refreshes it)."""
     (monitor,) = [o for o in operatorchart.template("metrics.podMonitor.enabled=true")
                   if o["kind"] == "PodMonitor"]  # fmt: skip
     workdir.mkdir(parents=True, exist_ok=True)
     pods = workdir / "pods.json"
-    pods.write_text(json.dumps(pod_targets(
-        vdp.cluster.kubectl_json("get", "pods", "--all-namespaces")["items"])))  # fmt: skip
-    prom = Prometheus(workdir, [scrape_config_from_pod_monitor(monitor, file_sd(pods))])
+    write_pod_targets(vdp, pods)
+    prom = Prometheus(workdir, [scrape_config_from_pod_monitor(monitor, file_sd(pods))],
+                      host=host)  # fmt: skip
     prom.start()
     return prom
 
@@ -572,6 +583,155 @@ def test_prometheus_scrapes_vllm_and_status_load_follows(
         note(f"Prometheus finished per engine: {before} -> {after}")
     finally:
         prom.stop()
+
+
+class PodTargets:
+    """write_pod_targets every second in a thread, so Prometheus scrapes a new replica's head
+    pod as soon as it has an address (what kubernetes_sd does)."""
+
+    def __init__(self, vdp: Vdp, path: Path) -> None:
+        self.vdp, self.path, self.stop = vdp, path, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(1.0):
+            with contextlib.suppress(Exception):  # a failed read leaves the last file
+                write_pod_targets(self.vdp, self.path)
+
+    def __enter__(self) -> PodTargets:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+def keda(cluster: RunningCluster, cmd: str) -> None:
+    """`testbed.py cluster keda-up|keda-down` (kedabed.py: KEDA from its own manifests)."""
+    proc = testbed_cli(cmd, timeout=1800)
+    sys.stderr.write(proc.stderr[-2000:])
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n"
+                             f"{cluster.diagnostics('keda')}")  # fmt: skip
+
+
+def failed_after(client: Traffic, at: float) -> list[dict[str, Any]]:
+    """The client's failed requests sent at `at` or later, and its runs of failures that
+    began then (the tally keeps the latest failures, and every run)."""
+    res = client.result
+    return ([f for f in res["failures"] if f["sent"] >= at]
+            + [o for o in res["outages"] if o["from"] >= at])  # fmt: skip
+
+
+@pytest.mark.keda
+def test_keda_scales_on_vllms_queue_and_back_with_no_failed_request(
+        vdp: Vdp, tmp_path: Path, request: pytest.FixtureRequest) -> None:  # fmt: skip
+    """Issue 37's autoscaling on real vLLM CPU engines: KEDA, installed from its own manifests
+    (kedabed.py), with its metrics API server behind the API server's aggregation layer; a
+    real Prometheus scraping the heads through the chart's PodMonitor; the chart's own
+    ScaledObject (autoscaling.scaledObjects) on vllm:num_requests_waiting. A load that
+    queues requests makes KEDA ask for a second replica by itself; the load stops there (on
+    the bed's two shared cores, engines with a queue leave a new replica no CPU: its worker's
+    raylet timed out starting), the second replica boots, is routed and answers on its own;
+    after the scale-down window KEDA takes the resource back to 1, the leaving replica drained
+    first. Two counting clients (a new connection per request, and kept-alive connections)
+    lose nothing from the load's end on. Reported: the time from the queue building to the
+    second replica routed."""
+    cluster = vdp.cluster
+    vdp.wait_phase("Serving", 600)
+    vdp.wait("one replica, no update", lambda: vdp.ready_replicas(1) and "update" not in
+             vdp.status(), 300)  # fmt: skip
+    keda(cluster, "keda-up")
+    request.addfinalizer(lambda: keda(cluster, "keda-down"))
+    workdir = tmp_path / "prometheus"
+    # On the bed's own address: KEDA's operator, in a pod, asks it.
+    prom = pod_monitor_prometheus(vdp, workdir, host=hostnet.API_IP)
+    request.addfinalizer(prom.stop)
+    entry = "autoscaling.scaledObjects[0]"
+    # Longer than the second replica's boot (5 min here), so it is routed before the
+    # window that began when the queue went lets KEDA take it away again.
+    window = 480
+    (so,) = [o for o in operatorchart.template(
+        f"{entry}.name={vdp.name}", f"{entry}.namespace={vdp.ns}",
+        f"{entry}.prometheusAddress={prom.url}", f"{entry}.maxReplicas=2",
+        f"{entry}.waitingPerReplica=2", f"{entry}.kvCacheUsage=0",
+        f"{entry}.pollingInterval=5", f"{entry}.scaleDownStabilizationSeconds={window}")
+        if o["kind"] == "ScaledObject"]  # fmt: skip
+    cluster.apply(so)
+    request.addfinalizer(lambda: cluster.kubectl("delete", "scaledobject", vdp.name, "-n",
+                                                 vdp.ns, "--ignore-not-found", check=False))
+    hpa = f"keda-hpa-{vdp.name}"
+    waiting = (f'sum(vllm:num_requests_waiting{{namespace="{vdp.ns}",'
+               f'vllmdataparallel="{vdp.name}"}})')  # fmt: skip
+
+    def explain() -> str:
+        kc = cluster.kubectl
+        so_status = kc("get", "scaledobject", vdp.name, "-n", vdp.ns, "-o",
+                       "jsonpath={.status}", check=False)  # fmt: skip
+        operator = kc("logs", "deploy/keda-operator", "-n", "keda", "--tail=40", check=False)
+        return (f"--- HPA\n{kc('describe', 'hpa', hpa, '-n', vdp.ns, check=False).stdout}\n"
+                f"--- ScaledObject status\n{so_status.stdout}{so_status.stderr}\n"
+                f"--- KEDA operator\n{operator.stdout}"
+                f"\n--- prometheus targets\n{json.dumps(prom.targets(), indent=1)[-3000:]}")
+
+    def wait(what: str, check: Any, timeout: float) -> Any:
+        try:
+            return vdp.wait(what, check, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{explain()}") from None
+
+    # KEDA reads the metric through the aggregation layer: the HPA it made has a value.
+    wait("KEDA's HPA reading the queue", lambda: cluster.kubectl_json(
+        "get", "hpa", hpa, "-n", vdp.ns).get("status", {}).get("currentMetrics"), 180)
+    assert vdp.get()["spec"].get("replicas", 1) == 1
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+    with PodTargets(vdp, workdir / "pods.json"), \
+            Traffic(cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="new-keda", rate=2,
+                    api_key_secret=("api-key", "key")) as new, \
+            Traffic(cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev", name="kept-keda", rate=2,
+                    api_key_secret=("api-key", "key"), keep_alive=True) as kept:  # fmt: skip
+        # More requests than the engines run at once (--max-num-seqs=8 on each of 2): vLLM
+        # queues the rest, and vllm:num_requests_waiting says so.
+        with Load(url, threads=24, tokens=64) as load:
+            queued = wait("the queue building in Prometheus", lambda: (
+                (prom.value(waiting) or 0) >= 2 and time.time()), 120)  # fmt: skip
+            scaled = wait("KEDA's HPA asking for 2 replicas", lambda: vdp.get()["spec"].get(
+                "replicas") == 2 and time.time(), 180)  # fmt: skip
+        stopped = time.time()
+        st = wait("the second replica routed", lambda: vdp.ready_replicas(2), window)
+        routed = time.time()
+        by_replica = vdp.heads()
+        ips = {p["status"]["podIP"] for p in by_replica.values()}
+        eps = cluster.kubectl_json("get", "endpointslice", f"{vdp.name}-api", "-n", vdp.ns)
+        ready_ips = {e["addresses"][0] for e in eps["endpoints"] if e["conditions"]["ready"]}
+        answers = {i: completion(f"http://{p['status']['podIP']}:{API_PORT}", http)["object"]
+                   for i, p in by_replica.items()}  # fmt: skip
+        note(f"KEDA: 2 replicas asked {scaled - queued:.0f}s after the queue, routed "
+             f"{routed - queued:.0f}s after it; load {load.done} done, {len(load.errors)} "
+             "errors")  # fmt: skip
+        down = wait("KEDA's HPA back to 1 replica", lambda: vdp.get()["spec"].get(
+            "replicas") == 1 and time.time(), window + 300)  # fmt: skip
+        vdp.wait("one RayCluster left after the drain", lambda: len(vdp.live_clusters()) == 1,
+                 300)  # fmt: skip
+        gone = time.time()
+        vdp.wait("one replica routed", lambda: vdp.ready_replicas(1), 120)
+        time.sleep(5)  # one replica alone, with traffic flowing
+    FAULTS["KEDA 1 -> 2 (queue to the second replica routed)"] = (
+        f"{routed - queued:.0f}s (HPA asked {scaled - queued:.0f}s after the queue)")
+    for c in (new, kept):
+        FAULTS[f"KEDA 2 -> 1 ({c.name}, from the load's end)"] = (
+            f"{c.summary()}; 2 routed to 1 asked {down - routed:.0f}s, to the replica gone "
+            f"{gone - routed:.0f}s")  # fmt: skip
+    assert load.done > 0, load.errors[:5]
+    assert st["phase"] == "Serving" and sorted(by_replica) == ["0", "1"], st
+    assert ready_ips == ips and len(ips) == 2, (ready_ips, ips)
+    assert answers == {"0": "text_completion", "1": "text_completion"}, answers
+    for c in (new, kept):
+        after = failed_after(c, stopped)
+        assert after == [], (f"{c.name}: {c.summary()}\n{json.dumps(after, indent=1)}\n"
+                             f"{json.dumps(c.result['failures'][-10:], indent=1)}")  # fmt: skip
+    assert vdp.get()["spec"]["replicas"] == 1 and vdp.status()["readyReplicas"] == 1
 
 
 @pytest.mark.floor

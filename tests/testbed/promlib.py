@@ -70,10 +70,13 @@ class Prometheus:
     """One Prometheus server process, scraping what `scrape_configs` says."""
 
     def __init__(self, workdir: Path, scrape_configs: list[dict[str, Any]],
-                 interval: str = "1s") -> None:  # fmt: skip
+                 interval: str = "1s", host: str = "127.0.0.1") -> None:  # fmt: skip
+        """`host`: the address it listens on (a bed's own address where pods ask it, as
+        KEDA's Prometheus scaler does)."""
         self.workdir = workdir
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
         self.config = {"global": {"scrape_interval": interval, "evaluation_interval": interval},
                        "scrape_configs": scrape_configs}  # fmt: skip
         self.log = workdir / "prometheus.log"
@@ -86,7 +89,7 @@ class Prometheus:
         config.write_text(yaml.safe_dump(self.config, sort_keys=False))
         cmd = [prometheus_binary(), f"--config.file={config}",
                f"--storage.tsdb.path={self.workdir / 'data'}",
-               f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=info"]  # fmt: skip
+               f"--web.listen-address={self.host}:{self.port}", "--log.level=info"]  # fmt: skip
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
