@@ -20,10 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .timeline import READY_BY_ADDRESS, RouteWatch, ready_addresses, route_watch
+from .timeline import READY_BY_ADDRESS, RouteWatch, ready_addresses
 from .traffic import Traffic
 from .vdp import Vdp
 
+#: The new API port of C2 and D2: outside Linux's ephemeral range and clear of Ray's own ports.
+NEW_PORT = 8100
 #: A client not yet started: (url, pod name, wait_go) -> Traffic.
 Client = Callable[[str, str, bool], Traffic]
 
@@ -34,11 +36,6 @@ def kube_proxy_has(vip: str, port: int) -> bool:
     rules = subprocess.run(["iptables", "-t", "nat", "-S", "KUBE-SERVICES"], check=False,
                            capture_output=True, text=True).stdout  # fmt: skip
     return any(f"-d {vip}/32" in r and f"--dport {port} " in f"{r} " for r in rules.splitlines())
-
-
-def watch(vdp: Vdp, fields: str, kind: str = "endpointslices") -> RouteWatch:
-    kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
-    return route_watch(kubectl, vdp.ns, f"{vdp.name}-api", fields, kind)
 
 
 @dataclass
@@ -95,9 +92,9 @@ def surge_to_new_port(vdp: Vdp, doc: dict[str, Any], old_port: int, new_port: in
     vdp.wait("no update in progress", lambda: "update" not in vdp.status(), 120)
     old_ip = vdp.pods()["head"]["status"]["podIP"]
     vip = vdp.service_ip()
-    routes = watch(vdp, READY_BY_ADDRESS)
-    ports = {"Service": watch(vdp, "{.spec.ports[*].port}", kind="services"),
-             "slice": watch(vdp, "{.ports[*].port}")}  # fmt: skip
+    routes = vdp.watch(READY_BY_ADDRESS)
+    ports = {"Service": vdp.watch("{.spec.ports[*].port}", kind="services"),
+             "slice": vdp.watch("{.ports[*].port}")}  # fmt: skip
     old = client(f"http://{vip}:{old_port}", f"traffic-{label}", False)
     new = client(f"http://{vip}:{new_port}", f"traffic-{label}new", True)
     run = PortSurge(vdp, old_port, new_port, old, new, routes, ports)

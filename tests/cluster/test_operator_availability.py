@@ -39,13 +39,11 @@ import pytest
 
 from .bed import RunningCluster
 from .podfaults import container_pid, dropped, sigkill
-from .portsurge import surge_to_new_port
+from .portsurge import NEW_PORT, surge_to_new_port
 from .timeline import (
-    READY,
     READY_BY_ADDRESS,
     RouteWatch,
     ready_addresses,
-    route_watch,
 )
 from .traffic import Traffic
 from .vdp import (
@@ -129,12 +127,6 @@ def revive_bed(cluster: RunningCluster) -> list[str]:
     return list(faults.revive(cluster.state_dir))
 
 
-def slice_watch(vdp: Vdp, fields: str = READY, kind: str = "endpointslices") -> RouteWatch:
-    """The resource's EndpointSlice (or, by `kind`, its Service), one line per change."""
-    kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
-    return route_watch(kubectl, vdp.ns, f"{NAME}-api", fields, kind)
-
-
 def unready_seen(watch: RouteWatch, after: float = 0.0) -> list[tuple[float, str]]:
     """The slice states after `after` (epoch) in which no endpoint was ready."""
     return [(at, s) for at, s in watch.seen if at >= after and "true" not in s.split()]
@@ -188,7 +180,7 @@ def test_a_operator_cut_off_from_the_head_pod(vdp: Vdp, report: dict[str, str]) 
     if head_svc["spec"].get("clusterIP") not in (None, "", "None"):
         addresses.append(head_svc["spec"]["clusterIP"])  # pods reach it before any DNAT
     pids = [container_pid(vdp.cluster, p, "operator") for p in operator_pods(vdp.cluster)]
-    watch = slice_watch(vdp)
+    watch = vdp.watch()
     samples: list[tuple[float, str, int, str]] = []
     try:
         with traffic(vdp, "a") as t:
@@ -223,7 +215,7 @@ def test_b1_operator_sigkilled_and_kept_down(vdp: Vdp, report: dict[str, str]) -
                                "-o", "name").stdout.split()  # fmt: skip
     replicas = int(cluster.kubectl_json("get", deploy, "-n", OPERATOR_NS)["spec"]["replicas"])
     holder = lease_holder(cluster)
-    watch = slice_watch(vdp)
+    watch = vdp.watch()
     running: list[tuple[float, int]] = []
     try:
         with traffic(vdp, "b1") as t:
@@ -301,7 +293,7 @@ def test_c_surge_switches_with_no_failed_request(vdp: Vdp, report: dict[str, str
     old, job = st["rayCluster"], st["headJob"]
     old_head = vdp.pods()["head"]
     old_ip, old_pod = old_head["status"]["podIP"], old_head["metadata"]["name"]
-    watch = slice_watch(vdp, READY_BY_ADDRESS)
+    watch = vdp.watch(READY_BY_ADDRESS)
     try:
         with traffic(vdp, "c") as t, traffic(vdp, "c", keep_alive=True) as kept:
             vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
@@ -349,7 +341,7 @@ def test_e_surge_that_never_serves_leaves_the_old_serving(
     old, job = st["rayCluster"], st["headJob"]
     old_ip = vdp.pods()["head"]["status"]["podIP"]
     spec = vdp.get()["spec"]
-    watch = slice_watch(vdp, READY_BY_ADDRESS)
+    watch = vdp.watch(READY_BY_ADDRESS)
     try:
         with traffic(vdp, "e") as t:
             vdp.wait("the slice watch's first line", lambda: watch.seen, 30)
@@ -381,10 +373,6 @@ def test_e_surge_that_never_serves_leaves_the_old_serving(
     assert new in cond["message"], cond
     assert vdp.live_clusters() == [old]
     assert len(events(vdp, "UpdateStarted")) >= 1
-
-
-#: C2's new API port: outside Linux's ephemeral range and clear of Ray's own ports.
-NEW_PORT = 8100
 
 
 def test_c2_surge_to_a_new_port(vdp: Vdp, report: dict[str, str]) -> None:

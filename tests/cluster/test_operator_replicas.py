@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from .bed import RunningCluster
-from .timeline import READY, READY_BY_ADDRESS, RouteWatch, ready_addresses, route_watch
+from .timeline import READY_BY_ADDRESS, RouteWatch, ready_addresses
 from .traffic import Traffic
 from .vdp import API_PORT, Vdp, http, import_engine, own_namespace
 from .vdp import report as print_report
@@ -63,12 +63,6 @@ def vdp(operator: RunningCluster) -> Iterator[Vdp]:
     operator.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
-def slice_watch(vdp: Vdp, fields: str = READY) -> RouteWatch:
-    """Every change of this resource's EndpointSlice, one line each."""
-    kubectl = [str(vdp.cluster.bin_dir / "kubectl"), f"--kubeconfig={vdp.cluster.kubeconfig}"]
-    return route_watch(kubectl, vdp.ns, f"{NAME}-api", fields)
-
-
 def unready_seen(watch: RouteWatch) -> list[tuple[float, str]]:
     """The slice states in which no endpoint was ready."""
     return [(at, s) for at, s in watch.seen if "true" not in s.split("|")[-1].split()]
@@ -100,7 +94,7 @@ def test_a_lost_head_pod_costs_only_its_replica(vdp: Vdp, report: dict[str, str]
     vdp.wait("two replicas routed", lambda: vdp.ready_replicas(2), 300)
     lost = vdp.heads()["1"]
     kept_ip = vdp.heads()["0"]["status"]["podIP"]
-    watch = slice_watch(vdp, READY_BY_ADDRESS)
+    watch = vdp.watch(READY_BY_ADDRESS)
     new, kept = clients(vdp, "lost")
     try:
         with new, kept:
@@ -132,7 +126,7 @@ def test_a_node_drain_takes_one_replica_and_fails_no_request(
     by_replica = vdp.heads()
     node = by_replica["1"]["spec"]["nodeName"]
     assert by_replica["0"]["spec"]["nodeName"] != node, "the replicas' pods share a node"
-    watch = slice_watch(vdp)
+    watch = vdp.watch()
     new, kept = clients(vdp, "drain")
     try:
         with new, kept:
@@ -157,7 +151,7 @@ def test_a_node_drain_takes_one_replica_and_fails_no_request(
 def test_scale_to_one_under_load_fails_no_request(vdp: Vdp, report: dict[str, str]) -> None:
     vdp.wait("two replicas routed", lambda: vdp.ready_replicas(2), 300)
     leaving = vdp.heads()["1"]["metadata"]["name"]  # the highest index leaves
-    watch = slice_watch(vdp)
+    watch = vdp.watch()
     new, kept = clients(vdp, "down")
     try:
         with new, kept:

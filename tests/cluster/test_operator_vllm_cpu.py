@@ -45,7 +45,7 @@ import yaml
 
 from . import timeline
 from .bed import REPO, RunningCluster, testbed_cli
-from .portsurge import surge_to_new_port
+from .portsurge import NEW_PORT, surge_to_new_port
 from .traffic import Traffic
 from .vdp import (
     API_PORT,
@@ -991,10 +991,6 @@ def test_surge_to_a_new_max_model_len_with_no_failed_request(vdp: Vdp) -> None:
     models = http(f"{url}/v1/models", headers=AUTH)
     assert models["data"][0]["max_model_len"] == 192, models
     assert completion(url, http)["object"] == "text_completion"
-
-
-#: D2's new API port: outside Linux's ephemeral range and clear of Ray's own ports.
-NEW_PORT = 8100
 
 
 def test_surge_to_a_new_port_with_no_failed_request(vdp: Vdp) -> None:

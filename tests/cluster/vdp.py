@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from .bed import REPO, RunningCluster, testbed_cli
+from .timeline import READY, RouteWatch, route_watch
 
 sys.path.insert(0, str(REPO / "tests" / "testbed"))
 import imagebuild
@@ -171,6 +172,12 @@ class Vdp:
         return {p["metadata"]["labels"]["ray.io/node-type"]: p for p in items
                 if p["status"].get("phase") == "Running"
                 and not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+
+    def watch(self, fields: str = READY, kind: str = "endpointslices") -> RouteWatch:
+        """The resource's EndpointSlice (or, by `kind`, its Service), one line per change in
+        the form of `fields` (timeline.route_watch)."""
+        kubectl = [str(self.cluster.bin_dir / "kubectl"), f"--kubeconfig={self.cluster.kubeconfig}"]
+        return route_watch(kubectl, self.ns, f"{self.name}-api", fields, kind)
 
     def heads(self) -> dict[str, dict[str, Any]]:
         """The running head pods by replica index."""

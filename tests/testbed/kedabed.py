@@ -27,7 +27,7 @@ from typing import Any
 import realbed
 import realnodes
 import yaml
-from binaries import KEDA_COMMANDS, build_keda, keda_image
+from binaries import KEDA_COMMANDS, build_keda, keda_dir, keda_image, keda_present
 from common import log
 from controlplane import kubectl
 from procs import State
@@ -35,9 +35,9 @@ from procs import State
 NAMESPACE = "keda"
 APISERVICE = "v1beta1.external.metrics.k8s.io"
 DEPLOYMENTS = ("keda-operator", "keda-metrics-apiserver")
-#: KEDA's container images as its manifests name them, to the binaries built here.
-IMAGES = {"ghcr.io/kedacore/keda": "keda",
-          "ghcr.io/kedacore/keda-metrics-apiserver": "keda-adapter"}
+#: KEDA's container images, by the last part of the name its manifests give them, to the
+#: binaries built here.
+IMAGES = {"keda": "keda", "keda-metrics-apiserver": "keda-adapter"}
 
 
 def _for_the_bed(doc: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def _for_the_bed(doc: dict[str, Any]) -> dict[str, Any]:
     if doc.get("kind") != "Deployment":
         return doc
     for c in doc["spec"]["template"]["spec"]["containers"]:
-        repo = c["image"].rsplit(":", 1)[0]
+        repo = c["image"].rsplit(":", 1)[0].rsplit("/", 1)[-1]
         if repo not in IMAGES:
             raise RuntimeError(f"KEDA's manifests name an image not built here: {c['image']}")
         c["image"], c["imagePullPolicy"] = keda_image(IMAGES[repo]), "Never"
@@ -109,7 +109,9 @@ def down(st: State) -> None:
     bd = Path(info["bin_dir"])
     kubectl(bd, st.kubeconfig, "delete", "apiservice", APISERVICE, "--ignore-not-found",
             check=False)  # fmt: skip
-    kd = build_keda()
+    kd = keda_dir()
+    if not keda_present(kd):  # never installed from this pin: nothing of it to remove
+        return
     # What lies outside KEDA's namespace: cluster-wide RBAC, and its bindings in kube-system.
     outside = [d for d in manifests(kd, bd, st.kubeconfig)
                if d["kind"] not in ("CustomResourceDefinition", "Namespace")

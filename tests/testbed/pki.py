@@ -30,12 +30,13 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
-def _signed_cert(pki: Path, name: str, subject: str, ext: str) -> None:
+def _signed_cert(pki: Path, name: str, subject: str, ext: str, ca: str = "ca") -> None:
+    """`name`.crt and .key, signed by the CA `ca`.crt/.key of `pki`."""
     (pki / f"{name}.ext").write_text(ext)
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
              "-keyout", str(pki / f"{name}.key"), "-out", str(pki / f"{name}.csr"))  # fmt: skip
-    _openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / "ca.crt"),
-             "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
+    _openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / f"{ca}.crt"),
+             "-CAkey", str(pki / f"{ca}.key"), "-CAcreateserial", "-days", "3650",
              "-extfile", str(pki / f"{name}.ext"), "-out", str(pki / f"{name}.crt"))  # fmt: skip
 
 
@@ -123,15 +124,8 @@ def front_proxy(pki: Path) -> dict[str, Path]:
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
              "-subj", "/CN=vllmdp-testbed-front-proxy-ca", "-keyout",
              str(pki / "front-proxy-ca.key"), "-out", str(files["ca.crt"]))  # fmt: skip
-    (pki / "front-proxy-client.ext").write_text(
-        "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
-        "extendedKeyUsage=clientAuth\n")  # fmt: skip
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=front-proxy-client",
-             "-keyout", str(files["client.key"]), "-out", str(pki / "front-proxy-client.csr"))
-    _openssl("x509", "-req", "-in", str(pki / "front-proxy-client.csr"),
-             "-CA", str(files["ca.crt"]), "-CAkey", str(pki / "front-proxy-ca.key"),
-             "-CAcreateserial", "-days", "3650",
-             "-extfile", str(pki / "front-proxy-client.ext"), "-out",
-             str(files["client.crt"]))  # fmt: skip
+    _signed_cert(pki, "front-proxy-client", "/CN=front-proxy-client",
+                 "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+                 "extendedKeyUsage=clientAuth\n", ca="front-proxy-ca")  # fmt: skip
     return files
 
