@@ -122,6 +122,8 @@ KUEUE_VERSION: Final = "v1beta2"
 ANNOTATION_HEAD_POD_UID: Final = f"{GROUP}/head-pod-uid"
 ANNOTATION_RETIRE_STARTED: Final = f"{GROUP}/retire-started-at"
 ANNOTATION_STOP_REQUESTED: Final = f"{GROUP}/stop-requested-at"
+#: When a serving head job that a rolling update's turn replaces began to drain.
+ANNOTATION_DRAIN_STARTED: Final = f"{GROUP}/drain-started-at"
 #: On the resource: a new value asks for new engines, as `kubectl rollout restart` does.
 ANNOTATION_RESTARTED_AT: Final = f"{GROUP}/restartedAt"
 #: On a RayCluster: the resource's `<generation>/<restartedAt>` it runs what was asked for.

@@ -300,9 +300,11 @@ async def _n_serving(n: int, **over: Any) -> World:
 async def test_a_rolling_engine_change_takes_one_replica_at_a_time() -> None:
     rolling = {"strategy": "RollingUpdate", "maxUnavailable": 1, "maxSurge": 0}
     w = await _n_serving(3, update=rolling)
+    w.probe.metrics = IDLE
     w.update(spec(replicas=3, update=rolling, engineArgs=["--max-model-len", "4096"]))
     await w.step()
-    # Replica 0 goes first: unrouted, its old head job stopping; 1 and 2 serve what they run.
+    # Replica 0 goes first: unrouted, its old head job stopping once its engines report no
+    # request (at once here); 1 and 2 serve what they run.
     assert _ready_endpoints(w) == sorted(
         p["metadata"]["name"] for p in w.kube.named(POD)
         if p["metadata"]["labels"][c.LABEL_REPLICA] != "0")  # fmt: skip
@@ -319,6 +321,25 @@ async def test_a_rolling_engine_change_takes_one_replica_at_a_time() -> None:
     await w.step(advance=1)
     assert w.ray.stops == ["demo-j00001", "demo-r01001"]
     assert w.status["readyReplicas"] == 2 and w.status["updatedReplicas"] == 1
+
+
+async def test_a_rolling_turn_drains_its_serving_head_before_the_stop() -> None:
+    """The replica whose turn it is leaves the slice, and its head job is stopped only once
+    its engines report no request (or spec.update.drainSeconds passes): its kept-alive
+    clients move to the replicas that serve, told by its drain gate, before vLLM stops."""
+    rolling = {"strategy": "RollingUpdate", "maxUnavailable": 1, "maxSurge": 0,
+               "drainSeconds": 600}  # fmt: skip
+    w = await _n_serving(2, update=rolling)
+    w.probe.metrics = BUSY
+    w.update(spec(replicas=2, update=rolling, engineArgs=["--max-model-len", "4096"]))
+    await w.step()
+    await w.step(advance=5)
+    assert len(_ready_endpoints(w)) == 1  # replica 0 unrouted, replica 1 serves
+    assert w.ray.stops == []
+    assert "draining head job demo-j00001" in w.status["replicaStatuses"][0]["message"]
+    w.probe.metrics = IDLE
+    await w.step(advance=5)
+    assert w.ray.stops == ["demo-j00001"]
 
 
 def test_replicas_prefer_other_nodes_and_zones_without_a_new_shape() -> None:

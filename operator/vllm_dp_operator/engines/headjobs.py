@@ -44,6 +44,7 @@ from vllm_dp_operator.plan import Plan, lora_adapters
 from vllm_dp_operator.reconcile.lora_status import replica_lora
 from vllm_dp_operator.reconcile.outcome import Resource, StatusDoc
 from vllm_dp_operator.reconcile.status import parse_rfc3339, rfc3339
+from vllm_dp_operator.reconcile.update import drain_over
 from vllm_dp_operator.render import build_head_job
 from vllm_dp_operator.render.headjob import job_hash
 from vllm_dp_operator.render.meta import owner_reference
@@ -96,7 +97,7 @@ class HeadJobs:
         self, kube: Kube, probes: EngineProbes, ray_jobs: RayJobs, cfg: Config, res: Resource,
         spec: VLLMDataParallelSpec, plan: Plan, cluster: str, head_pod: dict[str, Any] | None,
         st: StatusDoc, route: Callable[[bool], Awaitable[bool]], complete: bool = False,
-        keep_job: str | None = None, *, token: str | None,
+        keep_job: str | None = None, *, token: str | None, drain_first: bool = False,
     ) -> None:  # fmt: skip
         self.kube, self.probes, self.ray_jobs, self.cfg = kube, probes, ray_jobs, cfg
         self.res, self.spec, self.plan, self.cluster = res, spec, plan, cluster
@@ -114,23 +115,28 @@ class HeadJobs:
         #: The cluster's Ray token, derived again rather than read from its Secret
         #: (RayTokens.of_cluster).
         self.token = token
+        #: A serving head job whose plan changed is stopped only once drained: its replica's
+        #: turn in a rolling update across replicas, while the others serve its clients.
+        self.drain_first = drain_first
 
     async def converge(self, jobs: list[dict[str, Any]]) -> None:
         """Jobs are the live head jobs on this cluster, oldest attempt first."""
         want = job_hash(self.plan, self.cluster)
         current = [j for j in jobs if _labels(j).get(c.LABEL_JOB_HASH) in (want, self.keep_job)]
         latest = current[-1] if current else None
-        retire = [(j, "what it runs has changed") for j in jobs if j not in current]
-        retire += [(j, "a newer head job runs the same plan") for j in current[:-1]]
+        changed = [j for j in jobs if j not in current]
+        retire = [(j, "what it runs has changed", self.drain_first and self._served(j))
+                  for j in changed]  # fmt: skip
+        retire += [(j, "a newer head job runs the same plan", False) for j in current[:-1]]
         if latest is not None and (why := await self._failure(latest)) is not None:
-            retire.append((latest, why))
+            retire.append((latest, why, False))
             latest = None
         # The API Service routes to the head once its vLLM has answered, and never while an
         # old head job drains: the slice's endpoint turns unready before any stop is sent, so
         # no new request reaches engines about to stop.
         routed = latest is not None and not retire and self._routable(latest)
         routed = await self.route(routed)
-        waiting = [m for job, why in retire if (m := await self._retire(job, why))]
+        waiting = [m for job, why, first in retire if (m := await self._retire(job, why, first))]
         if latest is None:
             await self._launch_or_wait(waiting)
         else:
@@ -263,12 +269,43 @@ class HeadJobs:
                       f"{doc['consecutiveFailures']} in a row)")  # fmt: skip
         return why
 
-    async def _retire(self, job: dict[str, Any], why: str) -> str | None:
-        """Take one step towards a stopped head job; None once it is gone, else where it is."""
+    def _drained(self, job: dict[str, Any], since: datetime) -> tuple[bool, str]:
+        """Whether a serving head job that its replica's turn replaces has drained since its
+        unroute: read by a probe target of its own, whose first call tells its head to close
+        kept-alive connections (engines/drain.py), as a replica that leaves drains."""
+        target = Target(self.ns, self.res.name, names.head_service(self.cluster),
+                        self.spec.service.port, job["metadata"]["name"], None,
+                        self.spec.api_key_secret_ref is not None, self.res.replica,
+                        draining=True, ranks=self.plan.data_parallel_size,
+                        head=self._head_uid() or "", token=self.token)  # fmt: skip
+        reading = self.probes.reading(target)
+        running, idle = (None, None) if reading is None else (reading.in_flight(), reading.idle)
+        return drain_over(rfc3339(since), self.spec.update.drain_seconds, running, self.st.now,
+                          idle)  # fmt: skip
+
+    async def _retire(self, job: dict[str, Any], why: str, drain_first: bool = False
+                      ) -> str | None:  # fmt: skip
+        """Take one step towards a stopped head job; None once it is gone, else where it is.
+        `drain_first`: it serves, unrouted now; it is stopped once drained
+        (spec.update.drainSeconds at most)."""
         name, sid = job["metadata"]["name"], submission_id(job)
         annotations = job["metadata"].get("annotations") or {}
         started = annotation_time(job, c.ANNOTATION_RETIRE_STARTED)
         requested = annotation_time(job, c.ANNOTATION_STOP_REQUESTED)
+        draining = annotation_time(job, c.ANNOTATION_DRAIN_STARTED)
+        if drain_first and requested is None and self.head_pod is not None:
+            over, detail = self._drained(job, draining or self.st.now)
+            if not over:
+                if draining is None:
+                    await self.kube.patch(RAYJOB, self.ns, name, {"metadata": {"annotations": {
+                        c.ANNOTATION_DRAIN_STARTED: rfc3339(self.st.now)}}})
+                    self.st.event(c.EVENT_NORMAL, c.REASON_JOB_STOPPING,
+                                  f"Draining head job {name} because {why}: the API Service "
+                                  "stopped routing to it, the other replicas serve; it is "
+                                  "stopped once drained, in at most "
+                                  f"{self.spec.update.drain_seconds}s")  # fmt: skip
+                self.st.recheck(min(self.spec.update.drain_seconds + 1, c.DRAIN_PROBE_SECONDS))
+                return f"draining head job {name} before its stop because {why} ({detail})"
         head_uid = self.head_pod["metadata"]["uid"] if self.head_pod else None
         lookup = (await self.ray_jobs.lookup(self.ns, self.cluster, sid, self.token)
                   if head_uid else None)  # fmt: skip

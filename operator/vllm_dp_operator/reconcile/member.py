@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm_dp_operator import constants as c
 from vllm_dp_operator.api import names
-from vllm_dp_operator.api.models import RayAuth, VLLMDataParallelSpec
+from vllm_dp_operator.api.models import RayAuth, UpdateStrategy, VLLMDataParallelSpec
 from vllm_dp_operator.config import Config
 from vllm_dp_operator.controller.cache import controller_uid
 from vllm_dp_operator.controller.kube import (
@@ -258,9 +258,11 @@ async def reconcile_replica(
     st.doc["launchAttempts"] = max([st.doc["launchAttempts"], *(_attempt(j) for j in jobs)])
     live = await _drop_jobs_without_pods(kube, ns, jobs, cluster_name, spec.suspend or held,
                                          step.keep)  # fmt: skip
+    # A rolling update's turn: its head job is stopped once drained, while the others serve.
     flow = await _converge_cluster(kube, probes, ray_jobs, cfg, res, spec, plan, cluster,
                                     cluster_name, head_pod, held, queue, live, token_secret,
-                                    st, route, shadow is not None, step.keep_job)  # fmt: skip
+                                    st, route, shadow is not None, step.keep_job,
+                                    drain_first=turn == UpdateStrategy.RECREATE)  # fmt: skip
     if shadow is not None and step.record is not None:
         await surge.after_candidate(st, shadow, router, step.record, probes,
                                     flow.target if flow else None, flow.said if flow else None,
@@ -275,6 +277,7 @@ async def _converge_cluster(
     head_pod: dict[str, Any] | None, held: bool, queue: str | None, live: list[dict[str, Any]],
     token_secret: dict[str, Any] | None, st: StatusDoc,
     route: Callable[[bool | None], Awaitable[bool]], complete: bool, keep_job: str | None,
+    drain_first: bool = False,
 ) -> HeadJobs | None:  # fmt: skip
     """One generation: queued, suspended, provisioning, or its head jobs on a ready cluster."""
     ns = res.namespace
@@ -316,6 +319,6 @@ async def _converge_cluster(
     flow = HeadJobs(kube, probes, ray_jobs, cfg, res, spec, plan, cluster_name, head_pod, st,
                     route, complete, keep_job,
                     token=cfg.ray_tokens.of_cluster(res.namespace, res.name, res.uid,
-                                                    cluster))  # fmt: skip
+                                                    cluster), drain_first=drain_first)  # fmt: skip
     await flow.converge(live)
     return flow
