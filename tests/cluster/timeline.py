@@ -72,6 +72,9 @@ class RouteWatch:
             self.proc.wait(timeout=10)
 
 
+#: kube-proxy's minimum sync period (its default, which the bed keeps) plus the time to write
+#: the rules: how long after an EndpointSlice change a node may still route the old way.
+KUBE_PROXY_SYNC_S = 1.5
 #: A watch line of each endpoint's readiness: `true false`.
 READY = "{.endpoints[*].conditions.ready}"
 #: A watch line of the endpoints' addresses, then their readiness in the same order:
