@@ -19,7 +19,8 @@ NODES ?=
         test-vllm-contract test-cluster testbed-build kueue-build testbed-up testbed-down cluster-build cluster-up \
         cluster-down cluster-status dev dev-down bench-controlplane bench-serving bench-probes bench-p5 bench-metrics-flood \
         image engine-image kind-build e2e-kind e2e-kind-down images images-smoke builds \
-        build-lane-k8s build-lane-tools build-lane-images netpol-build keda-build test-autoscaling
+        build-lane-k8s build-lane-tools build-lane-images netpol-build keda-build test-autoscaling \
+        test-replicas-vllm
 
 help: ## List targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-22s %s\n", $$1, $$2}'
@@ -52,7 +53,7 @@ crds-check: ## Fail when the checked-in CRDs drift from the models
 	$(BIN)/python hack/gen_crds.py --check
 
 test: ## Every tier that runs on this machine: unit, chart, cluster, controlplane, kind, reliability, ray (CI runs this)
-	$(PYTEST) -m "not vllm and not floor and not keda" --durations=30 tests
+	$(PYTEST) -m "not vllm and not floor and not keda and not replicas_vllm" --durations=30 tests
 
 test-unit: ## Pure tests only (seconds)
 	$(PYTEST) tests/unit
@@ -70,7 +71,7 @@ test-reliability: ## Crash points, API-server/etcd restarts, watch faults, fuzze
 
 test-cluster: ## Real kubelets, containerd, CNI, kube-proxy, CoreDNS and KubeRay on this host (root)
 	@$(HOSTREQS) ensure kwok cluster images
-	$(PYTEST) -m "cluster and not keda" tests/cluster
+	$(PYTEST) -m "cluster and not keda and not replicas_vllm" tests/cluster
 
 test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
 	$(PYTEST) -m ray tests/ray
@@ -78,6 +79,10 @@ test-ray: ## The launcher on a real three-node Ray cluster on loopback addresses
 test-autoscaling: keda-build ## Opt-in: KEDA scales real vLLM 1 -> 2 -> 1 replicas on its queue, on the real-node bed (root; ~20 min)
 	@$(HOSTREQS) ensure kwok cluster images
 	$(PYTEST) -m keda tests/cluster
+
+test-replicas-vllm: ## Opt-in: issue 37's replica scenarios on real vLLM at replicas: 2, on a four-node real-node bed (root; ~35 min)
+	@$(HOSTREQS) ensure kwok cluster images
+	VLLMDP_BED_NODES=4 $(PYTEST) -m replicas_vllm tests/cluster
 
 keda-build: ## Build (or reuse) KEDA v2.21.0's images and manifests for the autoscaling tier (~8 min cold)
 	@$(HOSTREQS) ensure build kwok

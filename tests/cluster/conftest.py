@@ -23,8 +23,9 @@ from .bed import RunningCluster, testbed_cli
 FIRST = ("test_realnodes_bed.py",)
 LAST = ("test_realnodes_down.py",)
 #: Nodes the bed starts with: a Surge of examples/dev-cpu.yaml puts its second head (2 CPUs,
-#: a node's all) on a third node, beside the serving generation's two.
-NODES = 3
+#: a node's all) on a third node, beside the serving generation's two. $VLLMDP_BED_NODES asks
+#: for more (`make test-replicas-vllm`: two replicas of it, and room to drain one's node).
+NODES = int(os.environ.get("VLLMDP_BED_NODES") or 3)
 
 
 def _in_ci() -> bool:

@@ -21,7 +21,9 @@ the operator's /health probe, its stop-and-confirm and KubeRay's submission and 
 Changes on the same deployment: D, a Surge of `--max-model-len` under a new-connection and a
 kept-alive client (issues 17 and 38); D2, a Surge of `spec.service.port` alone (issue 38, the
 procedure of portsurge.py). Opt-in (`make test-autoscaling`, marker `keda`): KEDA scaling the
-resource 1 -> 2 -> 1 replicas on vLLM's queue (issue 37).
+resource 1 -> 2 -> 1 replicas on vLLM's queue (issue 37). Opt-in (`make test-replicas-vllm`,
+marker `replicas_vllm`, four nodes): issue 37's replica scenarios of replicasteps.py at
+`replicas: 2` (the engine double runs them in `make test`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 import pytest
 import yaml
 
-from . import timeline
+from . import replicasteps, timeline
 from .bed import REPO, RunningCluster, testbed_cli
 from .portsurge import NEW_PORT, surge_to_new_port
 from .traffic import Traffic
@@ -734,6 +736,69 @@ def test_keda_scales_on_vllms_queue_and_back_with_no_failed_request(
     assert vdp.get()["spec"]["replicas"] == 1 and vdp.status()["readyReplicas"] == 1
 
 
+#: The rolling scenario's engine change at two replicas (D's Surge, later, goes to 192).
+ROLLED_MAX_MODEL_LEN = 160
+
+
+@pytest.fixture(scope="module")
+def replicas(vdp: Vdp, request: pytest.FixtureRequest) -> Iterator[replicasteps.Scene]:
+    """Issue 37's replica scenarios (replicasteps.py) on this deployment, as the engine double
+    runs them in `make test`. Two replicas of the example take 3 of the bed's nodes (a head's
+    2 CPUs each, the workers' 1); a drained node's pods need a fourth."""
+    nodes = len(vdp.cluster.node_names)
+    assert nodes >= 4, (f"two replicas of {EXAMPLE.name} and a node drain need 4 nodes; this "
+                        f"bed has {nodes}: `make test-replicas-vllm` starts one with 4")
+    url = f"http://{vdp.service_ip()}:{API_PORT}"
+
+    def clients(scenario: str) -> tuple[Traffic, Traffic]:
+        return tuple(Traffic(vdp.cluster, vdp.ns, url, "tiny", f"{IMAGE}:dev",
+                             name=f"{'kept' if kept else 'new'}-r-{scenario}", rate=4,
+                             api_key_secret=("api-key", "key"), keep_alive=kept)
+                     for kept in (False, True))  # type: ignore[return-value]  # fmt: skip
+
+    def changed() -> dict[str, Any]:
+        doc = example(vdp.ns, max_model_len=ROLLED_MAX_MODEL_LEN)
+        doc["spec"]["replicas"] = 2
+        doc["spec"]["update"] = {"strategy": "RollingUpdate", "maxSurge": 0,
+                                 "maxUnavailable": 1, "drainSeconds": 10}  # fmt: skip
+        return doc
+
+    def runs_changed(ip: str) -> bool:
+        models = http(f"http://{ip}:{API_PORT}/v1/models", headers=AUTH)
+        return bool(models["data"][0]["max_model_len"] == ROLLED_MAX_MODEL_LEN)
+
+    lines: dict[str, str] = {}
+    yield replicasteps.Scene(vdp, clients, lambda ip: completion(f"http://{ip}:{API_PORT}",
+                                                                 http)["object"],
+                             changed, runs_changed, lines, boot=600)  # fmt: skip
+    report(request, "availability, real vLLM", lines)
+
+
+@pytest.mark.replicas_vllm
+def test_replicas_scale_to_two_on_real_vllm(replicas: replicasteps.Scene) -> None:
+    replicasteps.scale_to_two(replicas)
+
+
+@pytest.mark.replicas_vllm
+def test_replicas_lost_head_pod_on_real_vllm(replicas: replicasteps.Scene) -> None:
+    replicasteps.lost_head_pod(replicas)
+
+
+@pytest.mark.replicas_vllm
+def test_replicas_node_drain_on_real_vllm(replicas: replicasteps.Scene) -> None:
+    replicasteps.node_drain(replicas)
+
+
+@pytest.mark.replicas_vllm
+def test_replicas_rolling_engine_change_on_real_vllm(replicas: replicasteps.Scene) -> None:
+    replicasteps.rolling_change(replicas)
+
+
+@pytest.mark.replicas_vllm
+def test_replicas_scale_to_one_on_real_vllm(replicas: replicasteps.Scene) -> None:
+    replicasteps.scale_to_one(replicas)
+
+
 @pytest.mark.floor
 def test_engine_only_change_relaunches_on_same_pods_with_probes_off(vdp: Vdp) -> None:
     """Issue 17's scenario G on real vLLM: with healthProbe.mode off the operator sends no
@@ -853,11 +918,6 @@ def health(address: str) -> int:
         return 0
 
 
-#: kube-proxy's minimum sync period (its default, which the bed keeps) plus the time to write
-#: the rules: how long after an EndpointSlice change a node may still route the old way.
-KUBE_PROXY_SYNC_S = 1.5
-
-
 def test_head_pod_deleted_unroutes_and_serves_again_with_its_adapters(
         vdp: Vdp, request: pytest.FixtureRequest) -> None:  # fmt: skip
     """Issue 17's scenario F on real vLLM, with issue 38's and issue 40's lines: the head pod
@@ -915,7 +975,7 @@ def test_head_pod_deleted_unroutes_and_serves_again_with_its_adapters(
     assert any(at > rerouted for at, codes in healths.samples if codes), why
     assert adapters.back_without_adapters() == [], adapters.back_without_adapters()[:10]
     assert adapters.rounds[-1][1] == 200 and set(adapters.rounds[-1][2].values()) == {200}
-    returned = rerouted + KUBE_PROXY_SYNC_S
+    returned = rerouted + timeline.KUBE_PROXY_SYNC_S
     for kept, t in clients.items():
         res = t.result
         FAULTS[f"F head pod deleted ({'kept-alive' if kept else 'new connections'})"] = (
