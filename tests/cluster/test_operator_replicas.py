@@ -9,7 +9,7 @@ with `maxSurge: 0`, then scaled back to one under load. Real vLLM runs the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -76,21 +76,8 @@ def scene(operator: RunningCluster, request: pytest.FixtureRequest) -> Iterator[
     operator.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
-def test_scale_to_two_serves_from_both_replicas(scene: steps.Scene) -> None:
-    steps.scale_to_two(scene)
-
-
-def test_a_lost_head_pod_costs_only_its_replica(scene: steps.Scene) -> None:
-    steps.lost_head_pod(scene)
-
-
-def test_a_node_drain_takes_one_replica_and_fails_no_request(scene: steps.Scene) -> None:
-    steps.node_drain(scene)
-
-
-def test_a_rolling_engine_change_with_no_surge_fails_no_request(scene: steps.Scene) -> None:
-    steps.rolling_change(scene)
-
-
-def test_scale_to_one_under_load_fails_no_request(scene: steps.Scene) -> None:
-    steps.scale_to_one(scene)
+@pytest.mark.parametrize("scenario", steps.SCENARIOS, ids=lambda f: f.__name__)
+def test_replicas_on_the_engine_double(
+    scene: steps.Scene, scenario: Callable[[steps.Scene], None]
+) -> None:
+    scenario(scene)

@@ -38,7 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -770,33 +770,16 @@ def replicas(vdp: Vdp, request: pytest.FixtureRequest) -> Iterator[replicasteps.
     lines: dict[str, str] = {}
     yield replicasteps.Scene(vdp, clients, lambda ip: completion(f"http://{ip}:{API_PORT}",
                                                                  http)["object"],
-                             changed, runs_changed, lines, boot=600)  # fmt: skip
+                             changed, runs_changed, lines, boot=600,
+                             served_by=False)  # fmt: skip
     report(request, "availability, real vLLM", lines)
 
 
 @pytest.mark.replicas_vllm
-def test_replicas_scale_to_two_on_real_vllm(replicas: replicasteps.Scene) -> None:
-    replicasteps.scale_to_two(replicas)
-
-
-@pytest.mark.replicas_vllm
-def test_replicas_lost_head_pod_on_real_vllm(replicas: replicasteps.Scene) -> None:
-    replicasteps.lost_head_pod(replicas)
-
-
-@pytest.mark.replicas_vllm
-def test_replicas_node_drain_on_real_vllm(replicas: replicasteps.Scene) -> None:
-    replicasteps.node_drain(replicas)
-
-
-@pytest.mark.replicas_vllm
-def test_replicas_rolling_engine_change_on_real_vllm(replicas: replicasteps.Scene) -> None:
-    replicasteps.rolling_change(replicas)
-
-
-@pytest.mark.replicas_vllm
-def test_replicas_scale_to_one_on_real_vllm(replicas: replicasteps.Scene) -> None:
-    replicasteps.scale_to_one(replicas)
+@pytest.mark.parametrize("scenario", replicasteps.SCENARIOS, ids=lambda f: f.__name__)
+def test_replicas_on_real_vllm(replicas: replicasteps.Scene,
+                               scenario: Callable[[replicasteps.Scene], None]) -> None:  # fmt: skip
+    scenario(replicas)
 
 
 @pytest.mark.floor
