@@ -133,25 +133,6 @@ def lost_head_pod(scene: Scene) -> None:
     _check(scene, clients, allowed=2)
 
 
-def _cpu(quantity: str | None) -> float:
-    if not quantity:
-        return 0.0
-    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
-
-
-def _free_cpu(vdp: Vdp) -> dict[str, float]:
-    """Each schedulable node's CPU that no running pod asks for."""
-    nodes = vdp.cluster.kubectl_json("get", "nodes")["items"]
-    free = {n["metadata"]["name"]: _cpu(n["status"]["allocatable"].get("cpu")) for n in nodes
-            if not n["spec"].get("unschedulable")}  # fmt: skip
-    for pod in vdp.cluster.kubectl_json("get", "pods", "-A")["items"]:
-        node = pod["spec"].get("nodeName")
-        if node in free and pod["status"].get("phase") not in ("Succeeded", "Failed"):
-            free[node] -= sum(_cpu(((ct.get("resources") or {}).get("requests") or {}).get("cpu"))
-                              for ct in pod["spec"]["containers"])  # fmt: skip
-    return free
-
-
 def drain_target(vdp: Vdp) -> tuple[str, list[dict[str, Any]]]:
     """A node that holds only replica 1's pods of the resource, each of which fits on another
     node (so the replica comes back elsewhere), the one under its head first; and its pods."""
@@ -160,13 +141,16 @@ def drain_target(vdp: Vdp) -> tuple[str, list[dict[str, Any]]]:
     by_node: dict[str, list[dict[str, Any]]] = {}
     for pod in pods:
         by_node.setdefault(pod["spec"].get("nodeName") or "", []).append(pod)
-    free = _free_cpu(vdp)
+    # The scheduler's view (RunningCluster.node_load): what each node's CPU is promised to.
+    load = vdp.cluster.node_load()
+    free = {n: held["allocatable_m"] - sum(p["cpu_m"] for p in held["pods"])
+            for n, held in load.items()}  # fmt: skip
+    asks = {p["pod"]: p["cpu_m"] for held in load.values() for p in held["pods"]}
 
     def fits(node: str) -> bool:
         room = sorted((v for n, v in free.items() if n != node), reverse=True)
         for pod in by_node[node]:
-            need = sum(_cpu(((ct.get("resources") or {}).get("requests") or {}).get("cpu"))
-                       for ct in pod["spec"]["containers"])  # fmt: skip
+            need = asks.get(f"{vdp.ns}/{pod['metadata']['name']}", 0)
             spot = next((i for i, v in enumerate(room) if v >= need), None)
             if spot is None:
                 return False
@@ -184,7 +168,7 @@ def drain_target(vdp: Vdp) -> tuple[str, list[dict[str, Any]]]:
             return node, by_node[node]
     layout = {n: [p["metadata"]["name"] for p in ps] for n, ps in by_node.items()}
     raise AssertionError(f"no node holds only replica 1's pods with room for them elsewhere: "
-                         f"pods by node {layout}, free CPU {free}")  # fmt: skip
+                         f"pods by node {layout}, free CPU (m) {free}")  # fmt: skip
 
 
 def node_drain(scene: Scene) -> None:

@@ -158,14 +158,7 @@ class HeadJobs:
         if job_state(job) in (JobState.FAILED, JobState.ENDED):
             return self._record_failure(name, failure_reason(job), c.REASON_JOB_FAILED)
         # The pool's latest answer: a reconcile never waits on an engine (engines/prober.py).
-        model = (self.spec.served_model_name or self.spec.model) if self.complete else None
-        self.target = Target(self.ns, self.res.name, names.head_service(self.cluster),
-                             self.spec.service.port, name, model,
-                             self.spec.api_key_secret_ref is not None,
-                             self.res.replica, head=self._head_uid() or "",
-                             ranks=self.plan.data_parallel_size,
-                             complete_check=self.plan.check,
-                             adapters=self._adapters(), token=self.token)  # fmt: skip
+        self.target = self._target(name)
         served = self._served(job)
         # Until it has served, the launcher's own report is followed too: its `serving` line
         # has the pool probe at once (or, with probes off, is the sign of serving itself).
@@ -201,6 +194,18 @@ class HeadJobs:
                    f"where {launch_stage(job, self.health.detail)}")  # fmt: skip
             return self._record_failure(name, why, c.REASON_JOB_TIMED_OUT)
         return None
+
+    def _target(self, job: str, draining: bool = False) -> Target:
+        """The probe target of one head job of this cluster. A draining one asks no completion
+        and syncs no adapter: it has a slot of its own, read after the unroute."""
+        model = (self.spec.served_model_name or self.spec.model) \
+            if self.complete and not draining else None  # fmt: skip
+        return Target(self.ns, self.res.name, names.head_service(self.cluster),
+                      self.spec.service.port, job, model,
+                      self.spec.api_key_secret_ref is not None, self.res.replica, draining,
+                      head=self._head_uid() or "", ranks=self.plan.data_parallel_size,
+                      complete_check=self.plan.check,
+                      adapters=None if draining else self._adapters(), token=self.token)
 
     def _adapters(self) -> tuple[Adapter, ...] | None:
         """spec.lora's adapters, synced through the probes' pool (none with probes off: the
@@ -273,12 +278,7 @@ class HeadJobs:
         """Whether a serving head job that its replica's turn replaces has drained since its
         unroute: read by a probe target of its own, whose first call tells its head to close
         kept-alive connections (engines/drain.py), as a replica that leaves drains."""
-        target = Target(self.ns, self.res.name, names.head_service(self.cluster),
-                        self.spec.service.port, job["metadata"]["name"], None,
-                        self.spec.api_key_secret_ref is not None, self.res.replica,
-                        draining=True, ranks=self.plan.data_parallel_size,
-                        head=self._head_uid() or "", token=self.token)  # fmt: skip
-        reading = self.probes.reading(target)
+        reading = self.probes.reading(self._target(job["metadata"]["name"], draining=True))
         running, idle = (None, None) if reading is None else (reading.in_flight(), reading.idle)
         return drain_over(rfc3339(since), self.spec.update.drain_seconds, running, self.st.now,
                           idle)  # fmt: skip
