@@ -207,12 +207,49 @@ def test_second_resource_queues_with_kueues_reason_and_is_admitted_when_the_firs
     assert "Queued" in row, row
 
     testbed.kubectl("-n", ns, "delete", "vdp", "first", "--wait=false")
-    deleted = time.monotonic()
-    testbed.wait_until("second's RayCluster resumed by Kueue", lambda: cluster_of(
-        testbed, ns, "second")["spec"].get("suspend") is False, timeout=10, interval=0.2)
-    admitted = time.monotonic() - deleted
+    took = quota_freed_and_second_resumed(testbed, ns, operator)
     wait_phase_explained(testbed, ns, "second", "Launching", operator)
-    print(f"second admitted {admitted:.1f}s after the first was deleted")
+    print("after the first was deleted: " + ", ".join(f"{k} {v:.1f}s" for k, v in took.items()))
+
+
+#: The links from a deleted resource to the next one's admission, none of them the
+#: operator's: the garbage collector deletes the RayCluster and then its Workload (whose
+#: usage Kueue then releases), and Kueue admits and resumes the queued one. On a busy bed
+#: the collector can lag a discovery resync (30 s); a timeout names the link that stalled.
+QUOTA_FREED_S = 90
+
+
+def quota_freed_and_second_resumed(testbed: Any, ns: str, operator: OperatorProcess
+                                   ) -> dict[str, float]:  # fmt: skip
+    """Follow the chain after `first` is deleted; the seconds at which each link was seen."""
+    def first_cluster_gone() -> bool:
+        return not items(testbed, ns, "rayclusters", "app.kubernetes.io/instance=first")
+
+    def first_workload_gone() -> bool:
+        return not [w for w in items(testbed, ns, "workloads.kueue.x-k8s.io")
+                    if "first" in w["metadata"]["name"]]  # fmt: skip
+
+    def second_resumed() -> bool:
+        return cluster_of(testbed, ns, "second")["spec"].get("suspend") is False
+
+    t0, took = time.monotonic(), {}
+    for what, check in (("first's RayCluster gone", first_cluster_gone),
+                        ("first's Workload gone", first_workload_gone),
+                        ("second's RayCluster resumed by Kueue", second_resumed)):  # fmt: skip
+        left = QUOTA_FREED_S - (time.monotonic() - t0)
+        try:
+            testbed.wait_until(what, check, timeout=max(left, 1), interval=0.2)
+        except AssertionError as e:
+            wls = [(w["metadata"]["name"], w["metadata"].get("deletionTimestamp"),
+                    w["metadata"].get("finalizers"))
+                   for w in items(testbed, ns, "workloads.kueue.x-k8s.io")]  # fmt: skip
+            raise AssertionError(
+                f"{e}\nlinks seen: {took}\nworkloads (name, deleting, finalizers): {wls}\n"
+                f"--- kube-controller-manager log ---\n"
+                f"{testbed.log_tail('kube-controller-manager', 3000)}\n"
+                f"{explain(testbed, ns, operator)}") from None
+        took[what] = time.monotonic() - t0
+    return took
 
 
 def test_a_replica_beyond_the_quota_queues_alone_and_scaling_down_frees_it(
