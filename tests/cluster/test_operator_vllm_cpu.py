@@ -705,8 +705,7 @@ def test_keda_scales_on_vllms_queue_and_back_with_no_failed_request(
         routed = time.time()
         by_replica = vdp.heads()
         ips = {p["status"]["podIP"] for p in by_replica.values()}
-        eps = cluster.kubectl_json("get", "endpointslice", f"{vdp.name}-api", "-n", vdp.ns)
-        ready_ips = {e["addresses"][0] for e in eps["endpoints"] if e["conditions"]["ready"]}
+        ready_ips = replicasteps.ready_in_slice(vdp)
         answers = {i: completion(f"http://{p['status']['podIP']}:{API_PORT}", http)["object"]
                    for i, p in by_replica.items()}  # fmt: skip
         note(f"KEDA: 2 replicas asked {scaled - queued:.0f}s after the queue, routed "

@@ -1,19 +1,21 @@
 """Whether kube-controller-manager's garbage collector collects a deleted RayCluster's
 dependents: a precondition of every test that frees Kueue quota by deleting a resource.
 
-The collector learns the API's kinds at its discovery resync, every 30 s. After KubeRay's CRDs
-are deleted and installed again (tests/controlplane/test_kuberay_absent.py), the dependents of
-a deleted RayCluster (Kueue's Workload, which holds the quota) stay until the collector has
-caught up: tens of seconds in which a test that waits for the quota reads the bed's past as its
-own failure. The proof is a ConfigMap owned by a RayCluster that is deleted: it goes once the
-collector follows RayClusters again.
+After KubeRay's CRDs are deleted and installed again (tests/controlplane/test_kuberay_absent.py),
+the dependents of a deleted RayCluster (Kueue's Workload, which holds the quota) stay until the
+collector's next discovery resync: tens of seconds in which a test that waits for the quota
+reads the bed's past as its own failure. The proof (tests/testbed/gccheck.py) is a ConfigMap
+owned by a RayCluster that is deleted.
 """
 
 from __future__ import annotations
 
-import json
-import time
+import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "testbed"))
+from gccheck import wait_collected
 
 NAME, NAMESPACE = "vllmdp-gc-probe", "default"
 
@@ -21,28 +23,22 @@ NAME, NAMESPACE = "vllmdp-gc-probe", "default"
 def wait_gc_follows_rayclusters(testbed: Any, timeout: float = 120) -> float:
     """Block until the collector collects a deleted RayCluster's dependent; the seconds it took.
     Fails with the controller manager's log when it does not within `timeout`."""
-    k = testbed.kubectl
-    k("-n", NAMESPACE, "delete", f"configmap/{NAME}", f"raycluster/{NAME}", "--ignore-not-found",
-      "--wait=true", timeout=60)  # fmt: skip
+    meta = {"name": NAME, "namespace": NAMESPACE}
     pod = {"containers": [{"name": "ray-head", "image": "gc-probe"}]}
-    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-               "metadata": {"name": NAME, "namespace": NAMESPACE},
-               # Suspended: KubeRay makes no pod for it.
-               "spec": {"suspend": True,
-                        "headGroupSpec": {"rayStartParams": {}, "template": {"spec": pod}}}}
-    uid = k("create", "-f", "-", "-o", "jsonpath={.metadata.uid}",
-            input=json.dumps(cluster)).stdout.strip()  # fmt: skip
-    owned = {"apiVersion": "v1", "kind": "ConfigMap",
-             "metadata": {"name": NAME, "namespace": NAMESPACE, "ownerReferences": [
-                 {"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": NAME, "uid": uid}]}}
-    k("create", "-f", "-", input=json.dumps(owned))
-    k("-n", NAMESPACE, "delete", f"raycluster/{NAME}", "--wait=false")
-    t0 = time.monotonic()
-    while k("-n", NAMESPACE, "get", f"configmap/{NAME}", check=False).returncode == 0:
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(
-                f"the garbage collector did not collect a deleted RayCluster's ConfigMap in "
-                f"{timeout:.0f}s\nkube-controller-manager log:\n"
-                f"{testbed.log_tail('kube-controller-manager')}")  # fmt: skip
-        time.sleep(0.5)
-    return time.monotonic() - t0
+    cluster = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": meta,
+        # Suspended: KubeRay makes no pod for it.
+        "spec": {
+            "suspend": True,
+            "headGroupSpec": {"rayStartParams": {}, "template": {"spec": pod}},
+        },
+    }
+    owned = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta}
+    try:
+        return wait_collected(testbed.kubectl, cluster, owned, timeout)
+    except TimeoutError as e:
+        raise AssertionError(
+            f"{e}\nkube-controller-manager log:\n{testbed.log_tail('kube-controller-manager')}"
+        ) from None

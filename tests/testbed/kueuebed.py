@@ -31,6 +31,7 @@ import yaml
 from binaries import build_kueue
 from common import free_port, http_get, log
 from controlplane import kubectl
+from gccheck import wait_collected
 from procs import Launcher, State, stop
 
 NAME = "kueue"
@@ -178,34 +179,16 @@ def up(st: State) -> dict[str, Any]:
 
 
 def _gc_knows_kueue(bd: Path, kubeconfig: Path, timeout: float = 90) -> None:
-    """Wait until the garbage collector collects Kueue's kinds.
-
-    kube-controller-manager learns new kinds at its discovery resync, every 30 s. Until then
-    the Workload of a deleted RayCluster stays, and so does its quota. The proof is a
-    WorkloadPriorityClass whose owner is deleted: it goes once the collector watches them.
-    """
+    """Wait until the garbage collector follows Kueue's kinds (gccheck.py): until then the
+    Workload of a deleted RayCluster stays, and so does its quota."""
     name = "vllmdp-testbed-gc-probe"
-
-    def kc(*args: str, **kw: Any) -> Any:
-        return kubectl(bd, kubeconfig, *args, **kw)
-
-    kc("delete", "clusterrole", name, "--ignore-not-found")
     owner = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
              "metadata": {"name": name}, "rules": []}  # fmt: skip
-    uid = kc("create", "-f", "-", "-o", "jsonpath={.metadata.uid}",
-              input=yaml.safe_dump(owner)).stdout.strip()  # fmt: skip
     probe = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "value": 0,
-             "metadata": {"name": name, "ownerReferences": [
-                 {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-                  "name": name, "uid": uid}]}}  # fmt: skip
-    kc("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(probe))
-    kc("delete", "clusterrole", name)
-    t0 = time.monotonic()
-    while kc("get", "workloadpriorityclass", name, check=False).returncode == 0:
-        if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"the garbage collector did not collect {name} in {timeout:.0f}s")
-        time.sleep(0.5)
-    log(f"the garbage collector collects Kueue's kinds ({time.monotonic() - t0:.1f}s)")
+             "metadata": {"name": name}}  # fmt: skip
+    took = wait_collected(lambda *a, **kw: kubectl(bd, kubeconfig, *a, **kw), owner, probe,
+                          timeout)  # fmt: skip
+    log(f"the garbage collector collects Kueue's kinds ({took:.1f}s)")
 
 
 def _retry(step: Any, attempts: int = 30) -> None:
