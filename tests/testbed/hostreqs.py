@@ -107,6 +107,8 @@ TABLE: tuple[Need, ...] = (
     _n("etcd", "etcd-server", "kwok cluster", "the beds' etcd (binaries.find_etcd)",
        override="VLLMDP_ETCD"),
     _n("openssl", "openssl", "kwok cluster", "the beds' CA and certificates (pki.py)"),
+    _n("git", "git", "kwok",
+       "the release before replicas, from the project's history (reliability tier)"),
     _n("ip", "iproute2", "kwok cluster images kind",
        "pod network namespace (podnet), addresses on lo (hostnet), image smoke loopback"),
     _n("nft", "nftables", "cluster kind",
